@@ -1,0 +1,1 @@
+"""moe_ep: expert-parallel Mixture-of-Experts communication and layers for PyTorch."""

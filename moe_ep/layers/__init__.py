@@ -1,0 +1,1 @@
+"""nn.Modules built on the communication ops."""

@@ -1,0 +1,1 @@
+"""Communication backends behind `moe_ep.Buffer`."""

@@ -1,0 +1,94 @@
+"""Performance settings of the normal-mode kernels and the buffer sizes they imply."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+NUM_MAX_TOPK = 32
+FP8_BLOCK = 128
+BUFFER_ALIGNMENT = 128
+# Per-token metadata carried next to the hidden bytes: source index, top-k ids and weights.
+_TOKEN_META_BYTES = 4 + NUM_MAX_TOPK * (8 + 4)
+
+
+def _align(num_bytes: int, alignment: int = BUFFER_ALIGNMENT) -> int:
+    return (num_bytes + alignment - 1) // alignment * alignment
+
+
+@dataclass(frozen=True)
+class Config:
+    """Normal-mode tuning: SMs used and the chunk sizes of each channel's ring buffers.
+
+    Positional order matches DeepEP's `Config(num_sms, nvl_send, nvl_recv, rdma_send, rdma_recv)`.
+    A channel is a pair of SMs (one sending, one receiving), so `num_sms` must be even.
+    """
+
+    num_sms: int = 20
+    num_max_nvl_chunked_send_tokens: int = 6
+    num_max_nvl_chunked_recv_tokens: int = 256
+    num_max_rdma_chunked_send_tokens: int = 6
+    num_max_rdma_chunked_recv_tokens: int = 128
+
+    def __post_init__(self) -> None:
+        if self.num_sms <= 0 or self.num_sms % 2 != 0:
+            raise ValueError(f"num_sms: expected a positive even number, got {self.num_sms}")
+        if not 0 < self.num_max_nvl_chunked_send_tokens < self.num_max_nvl_chunked_recv_tokens:
+            raise ValueError(
+                "num_max_nvl_chunked_send_tokens: expected 0 < send chunk < num_max_nvl_chunked_recv_tokens, got "
+                f"{self.num_max_nvl_chunked_send_tokens} and {self.num_max_nvl_chunked_recv_tokens}"
+            )
+        if not 0 < self.num_max_rdma_chunked_send_tokens <= self.num_max_rdma_chunked_recv_tokens:
+            raise ValueError(
+                "num_max_rdma_chunked_send_tokens: expected 0 < send chunk <= num_max_rdma_chunked_recv_tokens, got "
+                f"{self.num_max_rdma_chunked_send_tokens} and {self.num_max_rdma_chunked_recv_tokens}"
+            )
+
+    @property
+    def num_channels(self) -> int:
+        """Channels (contiguous token ranges) the work is split into: one per SM pair."""
+        return self.num_sms // 2
+
+    def _token_bytes(self, hidden_bytes: int) -> int:
+        # Hidden bytes, FP8 scales (one float per 128 hidden bytes at most) and metadata.
+        return _align(hidden_bytes, 16) + _align(hidden_bytes // FP8_BLOCK * 4, 16) + _TOKEN_META_BYTES
+
+    def get_nvl_buffer_size_hint(self, hidden_bytes: int, num_ranks: int) -> int:
+        """Bytes of NVLink buffer one rank needs: a receive ring per (channel, source rank) plus counters."""
+        ring = self.num_max_nvl_chunked_recv_tokens * self._token_bytes(hidden_bytes)
+        counters = num_ranks * (num_ranks + 2 * self.num_channels + 64) * 4
+        return _align(self.num_channels * num_ranks * ring + counters)
+
+    def get_rdma_buffer_size_hint(self, hidden_bytes: int, num_ranks: int, num_ranks_per_node: int = 8) -> int:
+        """Bytes of RDMA buffer one rank needs in normal mode: zero inside a single node."""
+        num_nodes = (num_ranks + num_ranks_per_node - 1) // num_ranks_per_node
+        if num_nodes <= 1:
+            return 0
+        ring = self.num_max_rdma_chunked_recv_tokens * self._token_bytes(hidden_bytes)
+        return _align(2 * self.num_channels * num_nodes * ring + num_nodes * 64 * 4)
+
+
+def default_dispatch_config(num_ranks: int, num_sms: int) -> Config:
+    """Dispatch settings for a world size; the CUDA backend's tuning sweep owns these numbers."""
+    send_chunk = 8 if num_ranks <= 4 else 6
+    return Config(num_sms, send_chunk, 256, 8, 128)
+
+
+def default_combine_config(num_ranks: int, num_sms: int) -> Config:
+    """Combine settings for a world size; the CUDA backend's tuning sweep owns these numbers."""
+    send_chunk = 8 if num_ranks <= 4 else 4
+    return Config(num_sms, send_chunk, 256, 8, 128)
+
+
+def low_latency_buffer_bytes(num_max_dispatch_tokens_per_rank: int, hidden: int, num_ranks: int, num_experts: int) -> int:
+    """Symmetric buffer bytes for low-latency mode: two (even/odd) halves, each with a send area, a
+    receive area of one slot per (local expert, source rank, token) and per-expert signals. A
+    dispatch message is a 16-byte header, the BF16 payload and per-128 scales; combine sends BF16."""
+    num_local = max(1, num_experts // num_ranks)
+    slots = num_local * num_ranks * num_max_dispatch_tokens_per_rank
+    dispatch_msg = 16 + hidden * 2 + hidden // FP8_BLOCK * 4
+    combine_msg = hidden * 2
+    send = max(num_max_dispatch_tokens_per_rank * dispatch_msg, slots * combine_msg)
+    recv = slots * max(dispatch_msg, combine_msg)
+    signals = num_experts * 4 * 2
+    half = _align(send) + _align(recv) + _align(signals)
+    return _align(2 * half)

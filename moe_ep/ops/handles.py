@@ -1,0 +1,31 @@
+"""Communication handles: NamedTuples that unpack and index exactly like DeepEP V1's tuples."""
+
+from __future__ import annotations
+
+from typing import NamedTuple
+
+import torch
+
+
+class DispatchHandle(NamedTuple):
+    """Layout of one normal-mode dispatch, reused by cached dispatch and by combine.
+
+    On the receiving side rows are laid out source-rank-major, then in the sender's token order.
+    """
+
+    rank_prefix_matrix: torch.Tensor  # [R_src, R_dst] int32, inclusive prefix over source ranks
+    channel_prefix_matrix: torch.Tensor  # [R_dst, C] int32, sender side, inclusive prefix over channels
+    recv_channel_prefix_matrix: torch.Tensor  # [R_src, C] int32, receiver side, start row per block
+    recv_src_idx: torch.Tensor  # [N_recv] int32, token index on its source rank (-1 for padding rows)
+    is_token_in_rank: torch.Tensor  # [T, R] bool, sender side
+    send_head: torch.Tensor  # [T, R] int32, row inside the block sent to each rank, -1 if not sent
+
+
+class LowLatencyHandle(NamedTuple):
+    """Layout of one low-latency dispatch, reused by low-latency combine."""
+
+    src_info: torch.Tensor  # [E_local, R * max_tokens] int32, source token index of each packed row
+    layout_range: torch.Tensor  # [E_local, R] int64, count | begin << 32
+    num_max_dispatch_tokens_per_rank: int
+    hidden: int
+    num_experts: int

@@ -1,0 +1,91 @@
+"""Build script: pure Python on CPU machines, plus the `moe_ep._C` CUDA extension where it can be built.
+
+`MOE_EP_BUILD_CUDA=1` forces the extension (failing loudly if it cannot be built), `=0` skips it;
+unset, it is built when the installed torch has CUDA and `nvcc` is found. NVSHMEM parts (low-latency
+mode) are compiled in when `NVSHMEM_DIR` or an `nvidia-nvshmem-cu12/cu13` wheel is found.
+CUDA builds need the installed torch: `pip install --no-build-isolation -e .`.
+"""
+
+from __future__ import annotations
+
+import glob
+import os
+import shutil
+import sys
+from pathlib import Path
+
+from setuptools import setup
+
+ROOT = Path(__file__).parent.resolve()
+
+
+def _want_cuda() -> bool:
+    forced = os.environ.get("MOE_EP_BUILD_CUDA")
+    if forced == "0":
+        return False
+    try:
+        import torch
+    except ImportError:
+        if forced == "1":
+            sys.exit("MOE_EP_BUILD_CUDA=1 but torch is not importable: use pip install --no-build-isolation")
+        return False
+    has_cuda = torch.version.cuda is not None and shutil.which("nvcc") is not None
+    if forced == "1" and not has_cuda:
+        sys.exit("MOE_EP_BUILD_CUDA=1 but torch has no CUDA or nvcc is not on PATH")
+    return has_cuda and bool(_sources())
+
+
+def _sources() -> list[str]:
+    files = sorted(glob.glob("csrc/*.cpp")) + sorted(glob.glob("csrc/*.cu")) + sorted(glob.glob("csrc/kernels/*.cu"))
+    return [f for f in files if "nvshmem" not in Path(f).name]
+
+
+def _nvshmem_dir() -> str | None:
+    if os.environ.get("NVSHMEM_DIR"):
+        return os.environ["NVSHMEM_DIR"]
+    try:
+        import nvidia.nvshmem as nvshmem  # type: ignore[import-not-found]
+    except ImportError:
+        return None
+    return str(Path(nvshmem.__path__[0]))
+
+
+def _cuda_extension():
+    from torch.utils.cpp_extension import CUDA_HOME, CUDAExtension
+
+    os.environ.setdefault("TORCH_CUDA_ARCH_LIST", "9.0")
+    include_dirs = [str(ROOT / "csrc"), str(ROOT / "csrc" / "kernels"), os.path.join(CUDA_HOME, "include", "cccl")]
+    sources = _sources()
+    nvcc_flags = ["-O3", "-std=c++17", "--expt-relaxed-constexpr", "-lineinfo"]
+    cxx_flags = ["-O3", "-std=c++17"]
+    library_dirs: list[str] = []
+    libraries: list[str] = ["cuda"]
+    extra_link: list[str] = []
+    nvshmem = _nvshmem_dir()
+    if nvshmem and glob.glob("csrc/**/*nvshmem*", recursive=True):
+        sources += sorted(glob.glob("csrc/*nvshmem*.c*")) + sorted(glob.glob("csrc/kernels/*nvshmem*.cu"))
+        include_dirs.append(os.path.join(nvshmem, "include"))
+        library_dirs.append(os.path.join(nvshmem, "lib"))
+        nvcc_flags += ["-rdc=true", "-DMOE_EP_WITH_NVSHMEM"]
+        cxx_flags += ["-DMOE_EP_WITH_NVSHMEM"]
+        extra_link += [f"-Wl,-rpath,{os.path.join(nvshmem, 'lib')}"]
+    return CUDAExtension(
+        name="moe_ep._C",
+        sources=sources,
+        include_dirs=include_dirs,
+        library_dirs=library_dirs,
+        libraries=libraries,
+        extra_compile_args={"cxx": cxx_flags, "nvcc": nvcc_flags},
+        extra_link_args=extra_link,
+    )
+
+
+ext_modules = []
+cmdclass = {}
+if _want_cuda():
+    from torch.utils.cpp_extension import BuildExtension
+
+    ext_modules = [_cuda_extension()]
+    cmdclass = {"build_ext": BuildExtension.with_options(use_ninja=True)}
+
+setup(ext_modules=ext_modules, cmdclass=cmdclass)
