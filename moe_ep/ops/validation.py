@@ -86,8 +86,9 @@ def check_fp8_hidden(name: str, hidden: int) -> None:
         raise ValueError(f"{name}: FP8 needs a hidden size that is a multiple of {FP8_BLOCK}, got {hidden}")
 
 
-def check_topk_idx(name: str, topk_idx: object, num_tokens: int, device: torch.device) -> torch.Tensor:
-    """Shape, dtype and device of a `[num_tokens, k]` int64 top-k tensor with 1 <= k <= 32."""
+def check_topk_idx(name: str, topk_idx: object, num_tokens: Optional[int], device: torch.device) -> torch.Tensor:
+    """Shape, dtype and device of a `[num_tokens, k]` int64 top-k tensor with 1 <= k <= 32 (any token
+    count when `num_tokens` is None)."""
     check_tensor(name, topk_idx, dtype=torch.int64, shape=(num_tokens, None), device=device, contiguous=True)
     if not 1 <= topk_idx.size(1) <= NUM_MAX_TOPK:
         raise ValueError(f"{name}: expected between 1 and {NUM_MAX_TOPK} top-k slots, got {topk_idx.size(1)}")

@@ -1,0 +1,395 @@
+"""Pure-PyTorch backend over `torch.distributed` tensor collectives (gloo on CPU, NCCL on GPU).
+
+It is the correctness oracle for the CUDA kernels and a real fallback for training: every operation
+is vectorized and moves each payload with one `all_to_all_single` of packed byte rows. Receive sizes
+are learned from a small `all_gather` of counts, so calls synchronize with the host.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from typing import Mapping, Optional, Sequence
+
+import torch
+import torch.distributed as dist
+
+from .. import fp8, routing
+from ..config import Config
+from ..handles import DispatchHandle, LowLatencyHandle
+from ..routing import DispatchLayout
+from ..validation import PeerInputError
+from .base import CommBackend, DispatchResult, LowLatencyDispatchResult, RecvHook
+
+# Fixed width of the settings vector every rank contributes to `agree` (op id, error flag, fields).
+_AGREE_WIDTH = 24
+_OPS = ("get_dispatch_layout", "dispatch", "cached_dispatch", "combine", "low_latency_dispatch",
+        "low_latency_combine", "clean_low_latency_buffer")
+
+
+def _all_gather_into_tensor(output: torch.Tensor, tensor: torch.Tensor, group: dist.ProcessGroup) -> None:
+    # torch >= 2.13 renames all_gather_into_tensor; older releases only have the old name.
+    gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+    gather(output, tensor, group=group)
+
+
+def _as_bytes(tensor: torch.Tensor) -> torch.Tensor:
+    """Rows of `tensor` (any dtype) as a `[N, row_bytes]` uint8 view."""
+    return tensor.contiguous().view(tensor.size(0), math.prod(tensor.shape[1:])).view(torch.uint8)
+
+
+class _RowCodec:
+    """Packs several per-row tensors into one uint8 matrix so one collective moves them all."""
+
+    def __init__(self, templates: Sequence[tuple[torch.dtype, tuple[int, ...]]]) -> None:
+        self.templates = list(templates)
+        self.widths = [torch.Size(shape).numel() * torch.empty((), dtype=dtype).element_size() for dtype, shape in templates]
+
+    @property
+    def row_bytes(self) -> int:
+        return sum(self.widths)
+
+    @classmethod
+    def like(cls, tensors: Sequence[torch.Tensor]) -> "_RowCodec":
+        return cls([(t.dtype, tuple(t.shape[1:])) for t in tensors])
+
+    def pack(self, tensors: Sequence[torch.Tensor], index: Optional[torch.Tensor] = None) -> torch.Tensor:
+        """Rows `index` (all rows if None) of every tensor, side by side as bytes (FP8 moves as bytes too)."""
+        parts = [_as_bytes(t) if index is None else _as_bytes(t)[index] for t in tensors]
+        return torch.cat(parts, dim=1) if len(parts) > 1 else parts[0]
+
+    def unpack(self, rows: torch.Tensor) -> list[torch.Tensor]:
+        out, start = [], 0
+        for (dtype, shape), width in zip(self.templates, self.widths):
+            piece = rows[:, start:start + width]
+            # An empty slice keeps odd strides that forbid reinterpreting the bytes; start it afresh.
+            piece = piece.contiguous() if piece.size(0) else piece.new_empty((0, width))
+            out.append(piece.view(dtype).view(rows.size(0), *shape))
+            start += width
+        return out
+
+
+class TorchBackend(CommBackend):
+    """Every Buffer operation with `torch.distributed` collectives."""
+
+    name = "torch"
+
+    def __init__(self, group: dist.ProcessGroup, rank: int, num_ranks: int) -> None:
+        super().__init__(group, rank, num_ranks)
+        self._combine_buffers: dict[tuple[int, int, int, torch.device], torch.Tensor] = {}
+
+    # ------------------------------------------------------------------ collectives
+
+    def _all_gather_rows(self, row: torch.Tensor) -> torch.Tensor:
+        out = torch.empty(self.num_ranks * row.numel(), dtype=row.dtype, device=row.device)
+        _all_gather_into_tensor(out, row.contiguous(), self.group)
+        return out.view(self.num_ranks, -1)
+
+    def _all_to_all(
+        self, send: torch.Tensor, send_counts: list[int], recv_counts: list[int], async_op: bool = False
+    ) -> tuple[torch.Tensor, Optional[dist.Work]]:
+        recv = torch.empty(sum(recv_counts), send.size(1), dtype=send.dtype, device=send.device)
+        work = dist.all_to_all_single(recv, send, recv_counts, send_counts, group=self.group, async_op=async_op)
+        return recv, work
+
+    def agree(self, op: str, fields: Mapping[str, int], local_error: Optional[Exception], device: torch.device) -> None:
+        values = [_OPS.index(op), int(local_error is not None), *fields.values()]
+        if len(values) > _AGREE_WIDTH:
+            raise AssertionError(f"agree: too many fields for {op}")
+        row = torch.tensor(values + [0] * (_AGREE_WIDTH - len(values)), dtype=torch.int64, device=device)
+        table = self._all_gather_rows(row).tolist()
+        if local_error is not None:
+            raise local_error
+        ops = {r[0] for r in table}
+        if len(ops) > 1:
+            names = {rank: _OPS[r[0]] for rank, r in enumerate(table)}
+            raise PeerInputError(f"ranks called different operations at the same time: {names}")
+        failed = [rank for rank, r in enumerate(table) if r[1]]
+        if failed:
+            raise PeerInputError(f"{op}: rank(s) {failed} rejected their input (see the error raised there)")
+        for column, name in enumerate(fields, start=2):
+            per_rank = [r[column] for r in table]
+            if len(set(per_rank)) > 1:
+                raise PeerInputError(f"{op}: ranks disagree on {name}: {per_rank} (rank order)")
+
+    # ------------------------------------------------------------------ normal mode
+
+    def get_dispatch_layout(self, topk_idx: torch.Tensor, num_experts: int) -> DispatchLayout:
+        return routing.dispatch_layout(topk_idx, num_experts, self.num_ranks)
+
+    def dispatch(
+        self,
+        x: torch.Tensor,
+        x_scales: Optional[torch.Tensor],
+        topk_idx: Optional[torch.Tensor],
+        topk_weights: Optional[torch.Tensor],
+        num_tokens_per_rank: torch.Tensor,
+        is_token_in_rank: torch.Tensor,
+        num_tokens_per_expert: torch.Tensor,
+        expert_alignment: int,
+        num_worst_tokens: int,
+        config: Config,
+    ) -> DispatchResult:
+        num_ranks, rank, device = self.num_ranks, self.rank, x.device
+        num_experts = num_tokens_per_expert.numel()
+        num_local = num_experts // num_ranks
+        num_channels = config.num_channels
+        channel_prefix = routing.channel_prefix_matrix(is_token_in_rank, num_channels)
+
+        # Notify: every rank learns all send counts, expert counts, channel prefixes and receive bounds.
+        header = torch.cat([
+            num_tokens_per_rank.to(device=device, dtype=torch.int64),
+            num_tokens_per_expert.to(device=device, dtype=torch.int64),
+            channel_prefix.to(device=device, dtype=torch.int64).reshape(-1),
+            torch.tensor([num_worst_tokens], dtype=torch.int64, device=device),
+        ])
+        table = self._all_gather_rows(header)
+        send_matrix = table[:, :num_ranks]
+        expert_counts = table[:, num_ranks:num_ranks + num_experts]
+        sender_channel_prefix = table[:, num_ranks + num_experts:-1].view(num_ranks, num_ranks, num_channels)[:, rank]
+        self._check_worst_tokens(send_matrix.sum(0).tolist(), table[:, -1].tolist())
+
+        send_counts = send_matrix[rank].tolist()
+        recv_counts = send_matrix[:, rank].tolist()
+        dest, token = routing.send_order(is_token_in_rank)
+        payload = [x] + ([x_scales] if x_scales is not None else [])
+        if topk_idx is not None:
+            payload += [topk_idx] + ([topk_weights] if topk_weights is not None else [])
+        payload.append(torch.arange(x.size(0), dtype=torch.int32, device=device))
+        codec = _RowCodec.like(payload)
+        recv_rows, _ = self._all_to_all(codec.pack(payload, token), send_counts, recv_counts)
+        received = codec.unpack(recv_rows)
+
+        num_recv = sum(recv_counts)
+        num_rows = num_worst_tokens if num_worst_tokens > 0 else num_recv
+        recv_x = _pad_rows(received[0], num_rows, 0)
+        recv_x_scales = _pad_rows(received[1], num_rows, 0) if x_scales is not None else None
+        recv_topk_idx = recv_topk_weights = None
+        if topk_idx is not None:
+            next_field = 2 if x_scales is not None else 1
+            local_idx, local_weights = routing.localize_topk(
+                received[next_field], received[next_field + 1] if topk_weights is not None else None, rank, num_local)
+            recv_topk_idx = _pad_rows(local_idx, num_rows, -1)
+            recv_topk_weights = _pad_rows(local_weights, num_rows, 0) if local_weights is not None else None
+        recv_src_idx = _pad_rows(received[-1], num_rows, -1)
+
+        rank_prefix = routing.rank_prefix_matrix(send_matrix).to(device)
+        handle = DispatchHandle(
+            rank_prefix_matrix=rank_prefix,
+            channel_prefix_matrix=channel_prefix.to(device),
+            recv_channel_prefix_matrix=routing.recv_channel_prefix_matrix(rank_prefix, sender_channel_prefix, rank),
+            recv_src_idx=recv_src_idx,
+            is_token_in_rank=is_token_in_rank,
+            send_head=routing.send_head(is_token_in_rank),
+        )
+        per_expert = []
+        if num_worst_tokens == 0:
+            local_counts = expert_counts[:, rank * num_local:(rank + 1) * num_local]
+            per_expert = routing.recv_tokens_per_expert(local_counts, expert_alignment).tolist()
+        return DispatchResult(recv_x, recv_x_scales, recv_topk_idx, recv_topk_weights, per_expert, handle)
+
+    def _check_worst_tokens(self, recv_per_rank: list[int], worst_per_rank: list[int]) -> None:
+        over = [(r, n, w) for r, (n, w) in enumerate(zip(recv_per_rank, worst_per_rank)) if 0 < w < n]
+        if over:
+            detail = ", ".join(f"rank {r} receives {n} > {w}" for r, n, w in over)
+            raise ValueError(f"num_worst_tokens: too small, no data would fit ({detail})")
+
+    def cached_dispatch(
+        self, x: torch.Tensor, x_scales: Optional[torch.Tensor], handle: DispatchHandle, config: Config
+    ) -> tuple[torch.Tensor, Optional[torch.Tensor]]:
+        send_counts, recv_counts = _handle_counts(handle, self.rank)
+        _, token = routing.send_order(handle.is_token_in_rank)
+        payload = [x] + ([x_scales] if x_scales is not None else [])
+        codec = _RowCodec.like(payload)
+        recv_rows, _ = self._all_to_all(codec.pack(payload, token), send_counts, recv_counts)
+        received = codec.unpack(recv_rows)
+        num_rows = handle.recv_src_idx.numel()
+        recv_scales = _pad_rows(received[1], num_rows, 0) if x_scales is not None else None
+        return _pad_rows(received[0], num_rows, 0), recv_scales
+
+    def combine(
+        self,
+        x: torch.Tensor,
+        handle: DispatchHandle,
+        topk_weights: Optional[torch.Tensor],
+        bias_0: Optional[torch.Tensor],
+        bias_1: Optional[torch.Tensor],
+        config: Config,
+    ) -> tuple[torch.Tensor, Optional[torch.Tensor]]:
+        # Every row goes back to its source, which receives from each rank the rows it sent there.
+        to_source, from_ranks = _handle_counts(handle, self.rank)
+        num_real = sum(from_ranks)
+        payload = [x[:num_real]] + ([topk_weights[:num_real]] if topk_weights is not None else [])
+        codec = _RowCodec.like(payload)
+        back_rows, _ = self._all_to_all(codec.pack(payload), from_ranks, to_source)
+        back = codec.unpack(back_rows)
+
+        num_tokens = handle.is_token_in_rank.size(0)
+        dest, token = routing.send_order(handle.is_token_in_rank)
+        acc_dtype = torch.float64 if x.dtype == torch.float64 else torch.float32
+        combined = torch.zeros(num_tokens, x.size(1), dtype=acc_dtype, device=x.device)
+        for bias in (bias_0, bias_1):
+            if bias is not None:
+                combined += bias.to(acc_dtype)
+        combined = _sum_in_rank_order(combined, back[0], dest, token, self.num_ranks)
+        combined_weights = None
+        if topk_weights is not None:
+            zeros = torch.zeros(num_tokens, topk_weights.size(1), dtype=torch.float32, device=x.device)
+            combined_weights = _sum_in_rank_order(zeros, back[1], dest, token, self.num_ranks)
+        return combined.to(x.dtype), combined_weights
+
+    # ------------------------------------------------------------------ low-latency mode
+
+    def low_latency_dispatch(
+        self,
+        x: torch.Tensor,
+        topk_idx: torch.Tensor,
+        num_max_dispatch_tokens_per_rank: int,
+        num_experts: int,
+        cumulative_local_expert_recv_stats: Optional[torch.Tensor],
+        dispatch_wait_recv_cost_stats: Optional[torch.Tensor],
+        use_fp8: bool,
+        round_scale: bool,
+        use_ue8m0: bool,
+        return_recv_hook: bool,
+    ) -> tuple[LowLatencyDispatchResult, Optional[RecvHook]]:
+        num_ranks, rank, device = self.num_ranks, self.rank, x.device
+        num_local = num_experts // num_ranks
+        slots = num_ranks * num_max_dispatch_tokens_per_rank
+        hidden = x.size(1)
+
+        pairs = routing.expert_major_pairs(topk_idx, num_experts)
+        table = self._all_gather_rows(pairs.count_per_expert)  # [R_src, E]
+        counts = table[:, rank * num_local:(rank + 1) * num_local]  # [R_src, E_local]
+        send_counts = pairs.count_per_expert.view(num_ranks, num_local).sum(1).tolist()
+        recv_counts = counts.sum(1).tolist()
+
+        payload = list(fp8.per_token_cast_to_fp8(x, round_scale, use_ue8m0)) if use_fp8 else [x]
+        payload.append(torch.arange(x.size(0), dtype=torch.int32, device=device))
+        codec = _RowCodec.like(payload)
+        recv_rows, work = self._all_to_all(codec.pack(payload, pairs.token), send_counts, recv_counts, async_op=True)
+
+        # Outputs exist before the data arrives; the receive phase fills them in place.
+        recv_x = torch.zeros(num_local, slots, hidden, dtype=fp8.FP8_DTYPE if use_fp8 else x.dtype, device=device)
+        recv_scales = None
+        if use_fp8:
+            num_groups = routing.ceil_div(hidden, fp8.BLOCK * fp8.UE8M0_PER_INT32) if use_ue8m0 else hidden // fp8.BLOCK
+            scale_dtype = torch.int32 if use_ue8m0 else torch.float32
+            recv_scales = torch.zeros(num_local, num_groups, slots, dtype=scale_dtype, device=device).transpose(1, 2)
+        src_info = torch.full((num_local, slots), -1, dtype=torch.int32, device=device)
+        rows, begin = routing.packed_row_index(counts, slots)
+        layout_range = routing.pack_layout_range(counts.t(), begin)
+        recv_count = counts.sum(0).to(torch.int32)
+        if cumulative_local_expert_recv_stats is not None:
+            cumulative_local_expert_recv_stats += recv_count
+
+        def receive() -> None:
+            started = time.perf_counter_ns()
+            work.wait()
+            if dispatch_wait_recv_cost_stats is not None:
+                _add_wait_time(dispatch_wait_recv_cost_stats, recv_counts, time.perf_counter_ns() - started)
+            received = codec.unpack(recv_rows)
+            recv_x.view(torch.uint8).view(-1, received[0].element_size() * hidden)[rows] = _as_bytes(received[0])
+            if recv_scales is not None:
+                recv_scales[rows // slots, rows % slots] = received[1]
+            src_info.view(-1)[rows] = received[-1]
+
+        handle = LowLatencyHandle(src_info, layout_range, num_max_dispatch_tokens_per_rank, hidden, num_experts)
+        result = LowLatencyDispatchResult(recv_x, recv_scales, recv_count, handle)
+        if return_recv_hook:
+            return result, receive
+        receive()
+        return result, None
+
+    def low_latency_combine(
+        self,
+        x: torch.Tensor,
+        topk_idx: torch.Tensor,
+        topk_weights: torch.Tensor,
+        handle: LowLatencyHandle,
+        zero_copy: bool,
+        return_recv_hook: bool,
+        out: Optional[torch.Tensor],
+        combine_wait_recv_cost_stats: Optional[torch.Tensor],
+    ) -> tuple[torch.Tensor, Optional[RecvHook]]:
+        if zero_copy:
+            x = self.get_next_low_latency_combine_buffer(handle)
+        slots = self.num_ranks * handle.num_max_dispatch_tokens_per_rank
+        rows, back_counts = routing.gather_rows_by_layout(handle.layout_range, slots)
+        pairs = routing.expert_major_pairs(topk_idx, handle.num_experts)
+        num_local = handle.num_experts // self.num_ranks
+        recv_counts = pairs.count_per_expert.view(self.num_ranks, num_local).sum(1).tolist()
+        send = x.reshape(-1, x.size(-1))[rows]
+        expert_out, work = self._all_to_all(_as_bytes(send), back_counts.tolist(), recv_counts, async_op=True)
+
+        num_tokens, num_topk = topk_idx.shape
+        combined = out if out is not None else torch.empty(num_tokens, x.size(-1), dtype=x.dtype, device=x.device)
+        pair_of_slot = torch.full((num_tokens, num_topk), -1, dtype=torch.int64, device=x.device)
+        pair_of_slot[pairs.token, pairs.slot] = torch.arange(pairs.token.numel(), device=x.device)
+
+        def receive() -> None:
+            started = time.perf_counter_ns()
+            work.wait()
+            if combine_wait_recv_cost_stats is not None:
+                _add_wait_time(combine_wait_recv_cost_stats, recv_counts, time.perf_counter_ns() - started)
+            y = expert_out.view(x.dtype).view(-1, x.size(-1)).float()
+            acc = torch.zeros(num_tokens, x.size(-1), dtype=torch.float32, device=x.device)
+            for slot in range(num_topk):
+                present = pair_of_slot[:, slot] >= 0
+                acc[present] += topk_weights[present, slot, None] * y[pair_of_slot[present, slot]]
+            combined.copy_(acc)
+
+        if return_recv_hook:
+            return combined, receive
+        receive()
+        return combined, None
+
+    def get_next_low_latency_combine_buffer(self, handle: LowLatencyHandle) -> torch.Tensor:
+        num_local = handle.num_experts // self.num_ranks
+        slots = self.num_ranks * handle.num_max_dispatch_tokens_per_rank
+        device = handle.layout_range.device
+        key = (num_local, slots, handle.hidden, device)
+        if key not in self._combine_buffers:
+            self._combine_buffers[key] = torch.zeros(num_local, slots, handle.hidden, dtype=torch.bfloat16, device=device)
+        return self._combine_buffers[key]
+
+    def clean_low_latency_buffer(self, num_max_dispatch_tokens_per_rank: int, hidden: int, num_experts: int) -> None:
+        # Outputs are freshly allocated per call; only the zero-copy staging buffers persist.
+        for buffer in self._combine_buffers.values():
+            buffer.zero_()
+
+    def destroy(self) -> None:
+        self._combine_buffers.clear()
+
+
+def _pad_rows(tensor: torch.Tensor, num_rows: int, fill: float) -> torch.Tensor:
+    if tensor.size(0) == num_rows:
+        return tensor
+    padded = torch.full((num_rows, *tensor.shape[1:]), fill, dtype=tensor.dtype, device=tensor.device)
+    padded[: tensor.size(0)] = tensor
+    return padded
+
+
+def _handle_counts(handle: DispatchHandle, rank: int) -> tuple[list[int], list[int]]:
+    """Tokens this rank sends to each rank, and receives from each rank, under a dispatch handle."""
+    prefix = handle.rank_prefix_matrix.long()
+    counts = prefix.clone()
+    counts[1:] -= prefix[:-1]
+    return counts[rank].tolist(), counts[:, rank].tolist()
+
+
+def _sum_in_rank_order(
+    acc: torch.Tensor, rows: torch.Tensor, dest: torch.Tensor, token: torch.Tensor, num_ranks: int
+) -> torch.Tensor:
+    """Add each rank's returned rows to their tokens, rank by rank (fixed float32 summation order)."""
+    rows = rows.to(acc.dtype)
+    for rank in range(num_ranks):
+        mine = dest == rank
+        acc.index_add_(0, token[mine], rows[mine])
+    return acc
+
+
+def _add_wait_time(stats: torch.Tensor, counts_per_rank: list[int], nanoseconds: int) -> None:
+    """A collective delivers all sources at once: each source that sent data waited the same time."""
+    sent = torch.tensor([n > 0 for n in counts_per_rank], dtype=stats.dtype, device=stats.device)
+    stats += sent * nanoseconds
