@@ -184,15 +184,16 @@ def low_latency_expert_output(rows: torch.Tensor, global_expert: int) -> torch.T
     return (rows.float() * (1 + global_expert / 16) - 0.25).to(torch.bfloat16)
 
 
-def low_latency_combine_reference(inputs: list[RankInputs], me: int, dequantized: list[torch.Tensor]) -> torch.Tensor:
-    """`sum_j w[t, j] * expert_j(x[t])` in slot order, float32; `dequantized[me]` is what experts saw."""
+def low_latency_combine_reference(inputs: list[RankInputs], me: int, seen_by_experts: torch.Tensor) -> torch.Tensor:
+    """`sum_j w[t, j] * expert_j(x[t])` in slot order, float32; `seen_by_experts` is `x` as the experts
+    received it (after the FP8 round trip, if any)."""
     mine = inputs[me]
     out = torch.zeros(mine.x.shape, dtype=torch.float32)
     for t in range(mine.x.size(0)):
         acc = torch.zeros(mine.x.size(1))
         for j, e in enumerate(mine.topk_idx[t].tolist()):
             if e >= 0:
-                y = low_latency_expert_output(dequantized[me][t:t + 1], e)[0].float()
+                y = low_latency_expert_output(seen_by_experts[t:t + 1], e)[0].float()
                 acc = acc + mine.topk_weights[t, j] * y
         out[t] = acc
     return out.to(torch.bfloat16)

@@ -75,13 +75,11 @@ def _normal_round_trip(rank: int, world: int, case: dict) -> int:
         assert data.shape == (rows, c.hidden) and scales.shape == (rows, c.hidden // 128)
         assert torch.equal(data[:n].view(torch.uint8), ref_q.view(torch.uint8))
         assert torch.equal(scales[:n], ref_s)
-        provenance = fp8.per_token_cast_back(data[:n], scales[:n], torch.float32)
     else:
         assert recv_x.shape == (rows, c.hidden) and recv_x.dtype == mine.x.dtype
         assert torch.equal(recv_x[:n], ref.recv_x)
-        provenance = recv_x[:n].float()
-    # Provenance: source rank and token index ride in the data and match the reference order.
-    assert [(int(r[0]), int(r[1]) * 64 + int(r[2])) for r in provenance.round()] == ref.rows
+        # Provenance: source rank and token index ride in the data (exact) in the reference order.
+        assert [(int(r[0]), int(r[1]) * 64 + int(r[2])) for r in recv_x[:n].float()] == ref.rows
     assert torch.equal(recv_idx[:n], ref.recv_topk_idx)
     assert torch.equal(recv_w[:n], ref.recv_topk_weights)
     assert handle.recv_src_idx[:n].tolist() == [t for _, t in ref.rows]
