@@ -1,0 +1,142 @@
+"""`MoEConfig`: every setting of the MoE layers, checked once when the config is built."""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Literal, Optional
+
+from ..ops.config import NUM_MAX_TOPK
+from ..ops.fp8 import BLOCK as FP8_BLOCK
+
+ScoreFunc = Literal["softmax", "sigmoid"]
+DropPolicy = Literal["probs", "position"]
+
+FP8_EXPERT_ALIGNMENT = 16
+
+
+def _require(ok: bool, field: str, expected: str, got: object) -> None:
+    if not ok:
+        raise ValueError(f"MoEConfig.{field}: expected {expected}, got {got!r}")
+
+
+@dataclass
+class MoEConfig:
+    """Settings of one MoE layer (router, experts, shared experts, dispatch precision).
+
+    Names follow Hugging Face configs where one exists (`num_experts_per_tok`, `norm_topk_prob`,
+    `n_group`, `topk_group`, `routed_scaling_factor`). Fields left as `None` are resolved in
+    `__post_init__`: `group_score_topk` to 2 for sigmoid (DeepSeek-V3) and 1 for softmax (the group
+    maximum, DeepSeek-V2), `shared_expert_intermediate_size` to `n_shared_experts *
+    moe_intermediate_size`, `expert_alignment` to 16 when any FP8 path is on, else 1.
+    """
+
+    hidden_size: int
+    moe_intermediate_size: int
+    num_experts: int
+    num_experts_per_tok: int
+
+    # Router scores and selection.
+    score_func: ScoreFunc = "softmax"
+    softmax_before_topk: bool = True
+    norm_topk_prob: bool = False
+    n_group: int = 1
+    topk_group: int = 1
+    group_score_topk: Optional[int] = None
+    routed_scaling_factor: float = 1.0
+
+    # Aux-loss-free balancing: a selection-only bias nudged by `expert_bias_update_rate` per step.
+    enable_expert_bias: bool = False
+    expert_bias_update_rate: float = 1e-3
+    center_expert_bias: bool = False
+
+    # Auxiliary losses (0 disables each one).
+    aux_loss_coeff: float = 0.0
+    seq_aux_loss_coeff: float = 0.0
+    z_loss_coeff: float = 0.0
+
+    # Multiplicative uniform noise `U(1 - eps, 1 + eps)` on the router input while training.
+    input_jitter_eps: float = 0.0
+
+    # Token dropping: `None` keeps every token.
+    capacity_factor: Optional[float] = None
+    drop_policy: DropPolicy = "probs"
+
+    # Shared experts.
+    n_shared_experts: int = 0
+    shared_expert_intermediate_size: Optional[int] = None
+    shared_expert_gate: bool = False
+
+    # Expert computation and dispatch precision.
+    expert_alignment: Optional[int] = None
+    use_fp8_dispatch: bool = False
+    use_fp8_experts: bool = False
+
+    def __post_init__(self) -> None:
+        for name in ("hidden_size", "moe_intermediate_size", "num_experts", "num_experts_per_tok", "n_group"):
+            value = getattr(self, name)
+            _require(isinstance(value, int) and value > 0, name, "a positive int", value)
+        _require(self.score_func in ("softmax", "sigmoid"), "score_func", "'softmax' or 'sigmoid'", self.score_func)
+        self._check_routing()
+        self._check_balancing()
+        self._check_shared_experts()
+        self._check_precision()
+
+    def _check_routing(self) -> None:
+        _require(self.num_experts_per_tok <= min(self.num_experts, NUM_MAX_TOPK), "num_experts_per_tok",
+                 f"at most min(num_experts, {NUM_MAX_TOPK}) = {min(self.num_experts, NUM_MAX_TOPK)}",
+                 self.num_experts_per_tok)
+        _require(self.num_experts % self.n_group == 0, "n_group",
+                 f"a divisor of num_experts ({self.num_experts})", self.n_group)
+        _require(isinstance(self.topk_group, int) and 1 <= self.topk_group <= self.n_group, "topk_group",
+                 f"an int in [1, n_group={self.n_group}]", self.topk_group)
+        per_group = self.num_experts // self.n_group
+        _require(self.num_experts_per_tok <= self.topk_group * per_group, "num_experts_per_tok",
+                 f"at most topk_group * experts per group = {self.topk_group * per_group}", self.num_experts_per_tok)
+        if self.group_score_topk is None:
+            self.group_score_topk = min(2 if self.score_func == "sigmoid" else 1, per_group)
+        _require(isinstance(self.group_score_topk, int) and 1 <= self.group_score_topk <= per_group,
+                 "group_score_topk", f"an int in [1, experts per group={per_group}]", self.group_score_topk)
+        _require(self.routed_scaling_factor > 0, "routed_scaling_factor", "a positive number",
+                 self.routed_scaling_factor)
+
+    def _check_balancing(self) -> None:
+        for name in ("expert_bias_update_rate", "aux_loss_coeff", "seq_aux_loss_coeff", "z_loss_coeff"):
+            value = getattr(self, name)
+            _require(math.isfinite(value) and value >= 0, name, "a finite number >= 0", value)
+        _require(0 <= self.input_jitter_eps < 1, "input_jitter_eps", "a number in [0, 1)", self.input_jitter_eps)
+        _require(self.capacity_factor is None or self.capacity_factor > 0, "capacity_factor",
+                 "None or a positive number", self.capacity_factor)
+        _require(self.drop_policy in ("probs", "position"), "drop_policy", "'probs' or 'position'", self.drop_policy)
+
+    def _check_shared_experts(self) -> None:
+        _require(isinstance(self.n_shared_experts, int) and self.n_shared_experts >= 0, "n_shared_experts",
+                 "an int >= 0", self.n_shared_experts)
+        if self.shared_expert_intermediate_size is None:
+            self.shared_expert_intermediate_size = self.n_shared_experts * self.moe_intermediate_size
+        _require(self.n_shared_experts == 0 or self.shared_expert_intermediate_size > 0,
+                 "shared_expert_intermediate_size", "a positive int when n_shared_experts > 0",
+                 self.shared_expert_intermediate_size)
+        _require(not self.shared_expert_gate or self.n_shared_experts > 0, "shared_expert_gate",
+                 "False when n_shared_experts is 0", self.shared_expert_gate)
+
+    def _check_precision(self) -> None:
+        if self.expert_alignment is None:
+            self.expert_alignment = FP8_EXPERT_ALIGNMENT if self.use_fp8 else 1
+        _require(isinstance(self.expert_alignment, int) and self.expert_alignment >= 1, "expert_alignment",
+                 "an int >= 1", self.expert_alignment)
+        if self.use_fp8:
+            _require(self.hidden_size % FP8_BLOCK == 0, "hidden_size",
+                     f"a multiple of {FP8_BLOCK} with FP8 dispatch or experts", self.hidden_size)
+        if self.use_fp8_experts:
+            _require(self.moe_intermediate_size % FP8_BLOCK == 0, "moe_intermediate_size",
+                     f"a multiple of {FP8_BLOCK} with FP8 experts", self.moe_intermediate_size)
+
+    @property
+    def use_fp8(self) -> bool:
+        """Whether tokens or expert GEMMs use FP8 anywhere in the layer."""
+        return self.use_fp8_dispatch or self.use_fp8_experts
+
+    @property
+    def experts_per_group(self) -> int:
+        return self.num_experts // self.n_group
