@@ -1,0 +1,294 @@
+"""Grouped SwiGLU experts over expert-major tokens, in BF16 or in blockwise-scaled FP8.
+
+Tokens come either contiguous per expert (`[N, H]`, expert `e` owning the next
+`tokens_per_expert[e]` rows, rows past the last expert ignored) or in the low-latency packed
+layout (`[E, M, H]`, expert `e` owning rows `[0, tokens_per_expert[e])` of its slice). Ignored
+rows produce zero outputs and receive zero gradients.
+
+FP8 follows DeepSeek-V3: e4m3 activations with one scale per token per 128 channels, e4m3
+weights with one scale per 128x128 block (quantized from the parameters on every forward),
+FP32 accumulation, BF16 outputs; the SwiGLU output is re-quantized for the down projection.
+Backward runs in BF16 on the dequantized operands: it is the exact gradient of the computed
+function with the FP8 casts treated as identity (straight-through), so weight gradients use the
+dequantized activations the forward actually saw, and input gradients the dequantized weights.
+"""
+
+from __future__ import annotations
+
+import math
+from functools import cached_property
+from typing import Optional, Sequence, Union
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from ..ops.fp8 import (BLOCK, per_block_cast_back, per_block_cast_to_fp8, per_token_cast_back,
+                       per_token_cast_to_fp8, unpack_ue8m0)
+from ..ops.validation import check_tensor
+
+FP8Tokens = tuple[torch.Tensor, torch.Tensor]
+"""`(q float8_e4m3fn [..., H], scales)`: `per_token_cast_to_fp8` output (float32 or UE8M0 scales)."""
+
+_GROUPED_MM = getattr(F, "grouped_mm", None) or getattr(torch, "_grouped_mm", None)
+# cuBLAS blockwise FP8 GEMMs want the rows of A in multiples of this.
+_SCALED_MM_ROW_MULTIPLE = 4
+
+
+def swiglu(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
+    return F.silu(gate) * up
+
+
+class ExpertSegments:
+    """Which rows of a flattened expert-major `[N, ...]` tensor belong to which local expert."""
+
+    def __init__(self, tokens_per_expert: torch.Tensor, num_rows: int, rows_per_expert: Optional[int] = None,
+                 tokens_per_expert_list: Optional[Sequence[int]] = None) -> None:
+        """Contiguous segments of `tokens_per_expert` rows, or (`rows_per_expert` given) fixed
+        segments of that many rows whose first `tokens_per_expert[e]` rows are valid."""
+        device = tokens_per_expert.device
+        rows = torch.arange(num_rows, device=device)
+        if rows_per_expert is None:
+            self.offsets = tokens_per_expert.cumsum(0).to(torch.int32)
+            self.valid = rows < self.offsets[-1]
+        else:
+            num_experts = tokens_per_expert.numel()
+            self.offsets = ((torch.arange(num_experts, device=device) + 1) * rows_per_expert).to(torch.int32)
+            self.valid = rows % rows_per_expert < tokens_per_expert.repeat_interleave(rows_per_expert)
+            tokens_per_expert_list = [rows_per_expert] * num_experts
+        self.num_rows = num_rows
+        self._tokens_per_expert = tokens_per_expert
+        self._host_counts = tokens_per_expert_list
+
+    @cached_property
+    def bounds(self) -> list[int]:
+        """Host row bounds `[0, end_0, ..., end_{E-1}]` (a device sync unless counts were given)."""
+        counts = self._host_counts if self._host_counts is not None else self._tokens_per_expert.tolist()
+        bounds = [0]
+        for count in counts:
+            bounds.append(bounds[-1] + int(count))
+        if bounds[-1] > self.num_rows:
+            raise ValueError(f"tokens_per_expert: the experts hold {bounds[-1]} rows but x has {self.num_rows}")
+        return bounds
+
+    def ranges(self) -> list[tuple[int, int, int]]:
+        """`(expert, begin, end)` of every expert's rows."""
+        return [(e, b, end) for e, (b, end) in enumerate(zip(self.bounds[:-1], self.bounds[1:]))]
+
+    def mask(self, rows: torch.Tensor) -> torch.Tensor:
+        """`rows` with the ignored rows set to 0 (a select, so NaN garbage there cannot leak)."""
+        return torch.where(self.valid[:, None], rows, torch.zeros((), dtype=rows.dtype, device=rows.device))
+
+
+def _uses_grouped_mm(x: torch.Tensor) -> bool:
+    return _GROUPED_MM is not None and x.is_cuda and x.dtype == torch.bfloat16
+
+
+def grouped_linear(x: torch.Tensor, weight: torch.Tensor, seg: ExpertSegments) -> torch.Tensor:
+    """`x[rows of e] @ weight[e].T` for every expert: `[N, K] x [E, M, K] -> [N, M]`.
+
+    Rows outside every segment are unspecified (callers mask them). One device-offset grouped
+    GEMM on CUDA BF16; elsewhere an exact loop over experts. Every expert's weight joins the
+    autograd graph, even without rows, so its gradient is 0 rather than missing.
+    """
+    if _uses_grouped_mm(x):
+        return _GROUPED_MM(x, weight.transpose(-2, -1), offs=seg.offsets)
+    parts = [x[begin:end] @ weight[e].t() for e, begin, end in seg.ranges()]
+    return torch.cat(parts + [x.new_zeros(x.size(0) - seg.bounds[-1], weight.size(-2))])
+
+
+def grouped_weight_grad(grad: torch.Tensor, x: torch.Tensor, seg: ExpertSegments) -> torch.Tensor:
+    """`grad[rows of e].T @ x[rows of e]` for every expert: `[N, M], [N, K] -> [E, M, K]`."""
+    if _uses_grouped_mm(x):
+        return _GROUPED_MM(grad.t(), x, offs=seg.offsets)
+    out = x.new_zeros(seg.offsets.numel(), grad.size(1), x.size(1))
+    for e, begin, end in seg.ranges():
+        out[e] = grad[begin:end].t() @ x[begin:end]
+    return out
+
+
+def _blockwise_fp8_gemm_available(device: torch.device) -> bool:
+    """Blockwise (1x128 / 128x128) `F.scaled_mm` exists on sm_90 only (see `shared/ANCHORS.md`)."""
+    return device.type == "cuda" and hasattr(F, "scaled_mm") and torch.cuda.get_device_capability(device) == (9, 0)
+
+
+def fp8_grouped_linear(x: FP8Tokens, weight: FP8Tokens, seg: ExpertSegments) -> torch.Tensor:
+    """Blockwise-scaled `x[rows of e] @ weight[e].T` in FP32, rounded to BF16.
+
+    `x` is `(q [N, K], scales [N, K/128] float32)`, `weight` `(q [E, M, K], scales [E, M/128, K/128])`.
+    On sm_90 this runs one cuBLAS FP8 GEMM per expert (UNTESTED on GPU; host-side bounds); elsewhere
+    it is the reference: the same products of dequantized values, accumulated in FP32.
+    """
+    if _blockwise_fp8_gemm_available(x[0].device):
+        return _scaled_mm_per_expert(x, weight, seg)
+    dense_x = per_token_cast_back(*x, dtype=torch.float32)
+    dense_w = per_block_cast_back(*weight, dtype=torch.float32)
+    return grouped_linear(dense_x, dense_w, seg).to(torch.bfloat16)
+
+
+def _scaled_mm_per_expert(x: FP8Tokens, weight: FP8Tokens, seg: ExpertSegments) -> torch.Tensor:
+    (q, scales), (w_q, w_scales) = x, weight
+    # cuBLAS also wants the weight scales' K-block count padded to a multiple of 4.
+    w_scales = F.pad(w_scales, (0, -w_scales.size(-1) % 4))
+    out = q.new_zeros(q.size(0), w_q.size(-2), dtype=torch.bfloat16)
+    for e, begin, end in seg.ranges():
+        if end == begin:
+            continue
+        if (end - begin) % _SCALED_MM_ROW_MULTIPLE:
+            raise ValueError(f"tokens_per_expert: FP8 GEMMs on GPU need every expert's rows in multiples of "
+                             f"{_SCALED_MM_ROW_MULTIPLE} (set expert_alignment); expert {e} has {end - begin}")
+        out[begin:end] = F.scaled_mm(
+            q[begin:end], w_q[e].t(),
+            scales[begin:end].t().contiguous().t(), F.ScalingType.BlockWise1x128,
+            w_scales[e].t(), F.ScalingType.BlockWise128x128,
+            output_dtype=torch.bfloat16,
+        )
+    return out
+
+
+class _FP8SwiGLU(torch.autograd.Function):
+    """SwiGLU experts on FP8 tokens; the BF16 input gradient leaves through `carrier`."""
+
+    @staticmethod
+    def forward(ctx, q: torch.Tensor, scales: torch.Tensor, carrier: Optional[torch.Tensor],
+                gate_up_proj: torch.Tensor, down_proj: torch.Tensor, seg: ExpertSegments) -> torch.Tensor:
+        gate_up_8 = per_block_cast_to_fp8(gate_up_proj.detach())
+        down_8 = per_block_cast_to_fp8(down_proj.detach())
+        z = seg.mask(fp8_grouped_linear((q, scales), gate_up_8, seg))
+        h_8 = per_token_cast_to_fp8(swiglu(*z.chunk(2, dim=-1)))
+        y = seg.mask(fp8_grouped_linear(h_8, down_8, seg))
+        ctx.save_for_backward(q, scales, z, *h_8, *gate_up_8, *down_8)
+        ctx.seg = seg
+        ctx.carrier_dtype = None if carrier is None else carrier.dtype
+        ctx.weight_dtypes = (gate_up_proj.dtype, down_proj.dtype)
+        return y
+
+    @staticmethod
+    def backward(ctx, grad_y: torch.Tensor):
+        q, scales, z, h_q, h_scales, gu_q, gu_scales, down_q, down_scales = ctx.saved_tensors
+        seg: ExpertSegments = ctx.seg
+        bf16 = torch.bfloat16
+        grad_y = seg.mask(grad_y.to(bf16).contiguous())
+        h = per_token_cast_back(h_q, h_scales, bf16)
+        grad_down = grouped_weight_grad(grad_y, h, seg)
+        grad_h = grouped_linear(grad_y, per_block_cast_back(down_q, down_scales, bf16).transpose(-2, -1), seg)
+        with torch.enable_grad():
+            z_leaf = z.detach().requires_grad_()
+            (grad_z,) = torch.autograd.grad(swiglu(*z_leaf.chunk(2, dim=-1)), z_leaf, seg.mask(grad_h))
+        x = seg.mask(per_token_cast_back(q, scales, bf16))
+        grad_gate_up = grouped_weight_grad(grad_z, x, seg)
+        grad_x = None
+        if ctx.carrier_dtype is not None:
+            gate_up = per_block_cast_back(gu_q, gu_scales, bf16).transpose(-2, -1)
+            grad_x = seg.mask(grouped_linear(grad_z, gate_up, seg)).to(ctx.carrier_dtype)
+        gate_up_dtype, down_dtype = ctx.weight_dtypes
+        return None, None, grad_x, grad_gate_up.to(gate_up_dtype), grad_down.to(down_dtype), None
+
+
+def _float_scales(q: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
+    """Packed UE8M0 scales to float32; float32 scales unchanged."""
+    if scales.dtype == torch.int32:
+        return unpack_ue8m0(scales)[..., : q.size(-1) // BLOCK]
+    return scales
+
+
+class GroupedMLP(nn.Module):
+    """SwiGLU experts `down(silu(gate(x)) * up(x))` for `num_local_experts` experts.
+
+    Weights use the Hugging Face transformers v5 layout: `gate_up_proj [E, 2I, H]` (gate rows, then
+    up rows) and `down_proj [E, H, I]`, so expert `e` computes
+    `gate, up = (x @ gate_up_proj[e].T).chunk(2)` and `(silu(gate) * up) @ down_proj[e].T`.
+    """
+
+    def __init__(self, num_local_experts: int, hidden_size: int, intermediate_size: int, *, use_fp8: bool = False,
+                 device: Optional[torch.device] = None, dtype: Optional[torch.dtype] = None) -> None:
+        super().__init__()
+        if use_fp8 and (hidden_size % BLOCK or intermediate_size % BLOCK):
+            raise ValueError(f"use_fp8: hidden_size ({hidden_size}) and intermediate_size ({intermediate_size}) "
+                             f"must be multiples of {BLOCK}")
+        self.num_local_experts = num_local_experts
+        self.hidden_size = hidden_size
+        self.intermediate_size = intermediate_size
+        self.use_fp8 = use_fp8
+        factory = {"device": device, "dtype": dtype}
+        self.gate_up_proj = nn.Parameter(torch.empty(num_local_experts, 2 * intermediate_size, hidden_size, **factory))
+        self.down_proj = nn.Parameter(torch.empty(num_local_experts, hidden_size, intermediate_size, **factory))
+        self.reset_parameters()
+
+    def reset_parameters(self) -> None:
+        """Uniform in `±1/sqrt(fan_in)` per projection, as `nn.Linear`'s default."""
+        for weight in (self.gate_up_proj, self.down_proj):
+            bound = 1 / math.sqrt(weight.size(-1))
+            nn.init.uniform_(weight, -bound, bound)
+
+    def forward(
+        self,
+        x: Union[torch.Tensor, FP8Tokens],
+        tokens_per_expert: torch.Tensor,
+        routing_weights: Optional[torch.Tensor] = None,
+        *,
+        carrier: Optional[torch.Tensor] = None,
+        tokens_per_expert_list: Optional[Sequence[int]] = None,
+    ) -> torch.Tensor:
+        """Run every local expert on its rows of `x`.
+
+        Args:
+            x: `[N, H]` (contiguous per expert) or `[E, M, H]` (packed) tokens, or an FP8 dispatch's
+                `(q, scales)` of the same shape, consumed as is on the FP8 path.
+            tokens_per_expert: `[E]` integer device tensor of rows per expert (see the module doc).
+            routing_weights: optional per-row weights (`[N]` or `[E, M]`), multiplied into the output
+                in FP32.
+            carrier: with FP8 `x`, a zero-storage tensor shaped like `x` that receives the BF16
+                gradient with respect to the dequantized tokens.
+            tokens_per_expert_list: host copy of `tokens_per_expert`, saving a device sync on the
+                paths that loop over experts (CPU, FP8 on GPU).
+
+        Returns the expert outputs shaped like `x`: BF16 on the FP8 path, else the dtype of `x`.
+        """
+        is_fp8 = isinstance(x, tuple)
+        rows = x[0] if is_fp8 else x
+        check_tensor("x", rows, shape=(None, self.hidden_size) if rows.dim() == 2 else
+                     (self.num_local_experts, None, self.hidden_size))
+        check_tensor("tokens_per_expert", tokens_per_expert, shape=(self.num_local_experts,), device=rows.device)
+        if tokens_per_expert.is_floating_point():
+            raise TypeError(f"tokens_per_expert: expected an integer tensor, got {tokens_per_expert.dtype}")
+        if carrier is not None:
+            check_tensor("carrier", carrier, shape=tuple(rows.shape))
+        if routing_weights is not None:
+            check_tensor("routing_weights", routing_weights, shape=tuple(rows.shape[:-1]))
+        if tokens_per_expert_list is not None and len(tokens_per_expert_list) != self.num_local_experts:
+            raise ValueError(f"tokens_per_expert_list: expected {self.num_local_experts} counts, "
+                             f"got {len(tokens_per_expert_list)}")
+
+        packed_shape = rows.shape if rows.dim() == 3 else None
+        num_rows = rows.shape[:-1].numel()
+        seg = ExpertSegments(tokens_per_expert, num_rows, None if packed_shape is None else packed_shape[1],
+                             tokens_per_expert_list)
+        flat = (lambda t: t.flatten(0, 1)) if packed_shape is not None else (lambda t: t)  # noqa: E731
+        carrier = None if carrier is None else flat(carrier)
+        if is_fp8:
+            out = self._run_fp8_tokens(flat(x[0]), flat(_float_scales(*x)), carrier, seg)
+        elif self.use_fp8:
+            # Straight-through: `x` itself carries the gradient of the tokens' FP8 cast.
+            out = _FP8SwiGLU.apply(*per_token_cast_to_fp8(flat(x).detach()), flat(x),
+                                   self.gate_up_proj, self.down_proj, seg)
+        else:
+            out = self._bf16(flat(x), seg)
+        if routing_weights is not None:
+            acc = torch.promote_types(out.dtype, torch.float32)
+            out = (out.to(acc) * flat(routing_weights).to(acc)[:, None]).to(out.dtype)
+        return out if packed_shape is None else out.view(packed_shape)
+
+    def _run_fp8_tokens(self, q: torch.Tensor, scales: torch.Tensor, carrier: Optional[torch.Tensor],
+                        seg: ExpertSegments) -> torch.Tensor:
+        if self.use_fp8:
+            return _FP8SwiGLU.apply(q, scales, carrier, self.gate_up_proj, self.down_proj, seg)
+        dense = per_token_cast_back(q, scales, self.gate_up_proj.dtype)
+        # Adding the all-zero carrier changes no value but routes the tokens' gradient into it.
+        return self._bf16(dense if carrier is None else dense + carrier, seg)
+
+    def _bf16(self, x: torch.Tensor, seg: ExpertSegments) -> torch.Tensor:
+        x = seg.mask(x)
+        z = grouped_linear(x, self.gate_up_proj.to(x.dtype), seg)
+        h = swiglu(*z.chunk(2, dim=-1))
+        return seg.mask(grouped_linear(h, self.down_proj.to(x.dtype), seg))
