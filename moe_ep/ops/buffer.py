@@ -133,6 +133,10 @@ class Buffer:
         self._cuda = None
         self._destroyed = True
 
+    def backend_name_for(self, tensor: torch.Tensor) -> str:
+        """Which backend ("torch" or "cuda") serves operations on tensors like `tensor`."""
+        return self._backend_for(tensor).name
+
     # ------------------------------------------------------------------ internals
 
     def _backend_for(self, tensor: torch.Tensor) -> CommBackend:
