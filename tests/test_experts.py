@@ -357,6 +357,28 @@ def test_fp8_packed_layout_with_garbage_rows() -> None:
     assert out[2, :11].abs().sum() > 0
 
 
+def test_fp8_weight_cache_follows_in_place_updates(monkeypatch) -> None:
+    casts = []
+    original_cast = experts_module.per_block_cast_to_fp8
+    monkeypatch.setattr(experts_module, "per_block_cast_to_fp8", lambda w: casts.append(w) or original_cast(w))
+    x = tokens(junk=0.0).bfloat16()
+    uncached = make_experts(torch.bfloat16, use_fp8=True)
+    uncached(x, counts_tensor())
+    uncached(x, counts_tensor())
+    assert len(casts) == 4
+
+    casts.clear()
+    module = make_experts(torch.bfloat16, use_fp8=True)
+    module.cache_fp8_weights = True
+    first = module(x, counts_tensor())
+    assert torch.equal(module(x, counts_tensor()), first) and len(casts) == 2
+    with torch.no_grad():
+        module.down_proj.mul_(2)  # an optimizer-style in-place update
+    second = module(x, counts_tensor())
+    assert len(casts) == 4
+    torch.testing.assert_close(second, 2 * first, rtol=0, atol=0)  # power-of-two scaling is exact in FP8
+
+
 def test_input_validation_names_the_argument() -> None:
     module = make_experts()
     with pytest.raises(ValueError, match="tokens_per_expert"):
@@ -365,6 +387,8 @@ def test_input_validation_names_the_argument() -> None:
         module(tokens(), counts_tensor().float())
     with pytest.raises(ValueError, match="tokens_per_expert"):
         module(tokens(), counts_tensor([100, 0, 0, 0]))
+    with pytest.raises(TypeError, match="x"):
+        module((tokens().bfloat16(), torch.ones(NUM_ROWS, 2)), counts_tensor())
     with pytest.raises(ValueError, match="use_fp8"):
         GroupedMLP(2, 192, 128, use_fp8=True)
 

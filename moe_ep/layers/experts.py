@@ -23,7 +23,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from ..ops.fp8 import (BLOCK, per_block_cast_back, per_block_cast_to_fp8, per_token_cast_back,
+from ..ops.fp8 import (BLOCK, FP8_DTYPE, per_block_cast_back, per_block_cast_to_fp8, per_token_cast_back,
                        per_token_cast_to_fp8, unpack_ue8m0)
 from ..ops.validation import check_tensor
 
@@ -151,9 +151,10 @@ class _FP8SwiGLU(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, q: torch.Tensor, scales: torch.Tensor, carrier: Optional[torch.Tensor],
-                gate_up_proj: torch.Tensor, down_proj: torch.Tensor, seg: ExpertSegments) -> torch.Tensor:
-        gate_up_8 = per_block_cast_to_fp8(gate_up_proj.detach())
-        down_8 = per_block_cast_to_fp8(down_proj.detach())
+                gate_up_proj: torch.Tensor, down_proj: torch.Tensor, weights_8: tuple[FP8Tokens, FP8Tokens],
+                seg: ExpertSegments) -> torch.Tensor:
+        """`weights_8` are the FP8 casts of the two weights, which only receive the gradients."""
+        gate_up_8, down_8 = weights_8
         z = seg.mask(fp8_grouped_linear((q, scales), gate_up_8, seg))
         h_8 = per_token_cast_to_fp8(swiglu(*z.chunk(2, dim=-1)))
         y = seg.mask(fp8_grouped_linear(h_8, down_8, seg))
@@ -182,7 +183,7 @@ class _FP8SwiGLU(torch.autograd.Function):
             gate_up = per_block_cast_back(gu_q, gu_scales, bf16).transpose(-2, -1)
             grad_x = seg.mask(grouped_linear(grad_z, gate_up, seg)).to(ctx.carrier_dtype)
         gate_up_dtype, down_dtype = ctx.weight_dtypes
-        return None, None, grad_x, grad_gate_up.to(gate_up_dtype), grad_down.to(down_dtype), None
+        return None, None, grad_x, grad_gate_up.to(gate_up_dtype), grad_down.to(down_dtype), None, None
 
 
 def _float_scales(q: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
@@ -198,10 +199,16 @@ class GroupedMLP(nn.Module):
     Weights use the Hugging Face transformers v5 layout: `gate_up_proj [E, 2I, H]` (gate rows, then
     up rows) and `down_proj [E, H, I]`, so expert `e` computes
     `gate, up = (x @ gate_up_proj[e].T).chunk(2)` and `(silu(gate) * up) @ down_proj[e].T`.
+
+    With `use_fp8`, the weights are cast to FP8 on every forward; `cache_fp8_weights` keeps the
+    casts until a parameter's version counter moves (in-place updates: optimizer steps,
+    `load_state_dict`). Leave it off where a wrapper refills parameter storage behind autograd's
+    back (FSDP-style unsharding), since that may not move the counter.
     """
 
     def __init__(self, num_local_experts: int, hidden_size: int, intermediate_size: int, *, use_fp8: bool = False,
-                 device: Optional[torch.device] = None, dtype: Optional[torch.dtype] = None) -> None:
+                 cache_fp8_weights: bool = False, device: Optional[torch.device] = None,
+                 dtype: Optional[torch.dtype] = None) -> None:
         super().__init__()
         if use_fp8 and (hidden_size % BLOCK or intermediate_size % BLOCK):
             raise ValueError(f"use_fp8: hidden_size ({hidden_size}) and intermediate_size ({intermediate_size}) "
@@ -210,6 +217,8 @@ class GroupedMLP(nn.Module):
         self.hidden_size = hidden_size
         self.intermediate_size = intermediate_size
         self.use_fp8 = use_fp8
+        self.cache_fp8_weights = cache_fp8_weights
+        self._fp8_weight_cache: Optional[tuple[tuple, tuple[FP8Tokens, FP8Tokens]]] = None
         factory = {"device": device, "dtype": dtype}
         self.gate_up_proj = nn.Parameter(torch.empty(num_local_experts, 2 * intermediate_size, hidden_size, **factory))
         self.down_proj = nn.Parameter(torch.empty(num_local_experts, hidden_size, intermediate_size, **factory))
@@ -247,8 +256,31 @@ class GroupedMLP(nn.Module):
         """
         is_fp8 = isinstance(x, tuple)
         rows = x[0] if is_fp8 else x
-        check_tensor("x", rows, shape=(None, self.hidden_size) if rows.dim() == 2 else
-                     (self.num_local_experts, None, self.hidden_size))
+        self._check_inputs(rows, is_fp8, tokens_per_expert, routing_weights, carrier, tokens_per_expert_list)
+        packed_shape = rows.shape if rows.dim() == 3 else None
+        num_rows = rows.shape[:-1].numel()
+        seg = ExpertSegments(tokens_per_expert, num_rows, None if packed_shape is None else packed_shape[1],
+                             tokens_per_expert_list)
+        flat = (lambda t: t.flatten(0, 1)) if packed_shape is not None else (lambda t: t)  # noqa: E731
+        carrier = None if carrier is None else flat(carrier)
+        if is_fp8:
+            out = self._from_fp8_tokens(flat(x[0]), flat(_float_scales(*x)), carrier, seg)
+        elif self.use_fp8:
+            # Straight-through: `x` itself carries the gradient of the tokens' FP8 cast.
+            out = self._fp8(*per_token_cast_to_fp8(flat(x).detach()), flat(x), seg)
+        else:
+            out = self._bf16(flat(x), seg)
+        if routing_weights is not None:
+            acc = torch.promote_types(out.dtype, torch.float32)
+            out = (out.to(acc) * flat(routing_weights).to(acc)[:, None]).to(out.dtype)
+        return out if packed_shape is None else out.view(packed_shape)
+
+    def _check_inputs(self, rows: torch.Tensor, is_fp8: bool, tokens_per_expert: torch.Tensor,
+                      routing_weights: Optional[torch.Tensor], carrier: Optional[torch.Tensor],
+                      tokens_per_expert_list: Optional[Sequence[int]]) -> None:
+        packed = (self.num_local_experts, None, self.hidden_size)
+        check_tensor("x", rows, dtype=FP8_DTYPE if is_fp8 else None,
+                     shape=(None, self.hidden_size) if rows.dim() == 2 else packed)
         check_tensor("tokens_per_expert", tokens_per_expert, shape=(self.num_local_experts,), device=rows.device)
         if tokens_per_expert.is_floating_point():
             raise TypeError(f"tokens_per_expert: expected an integer tensor, got {tokens_per_expert.dtype}")
@@ -260,29 +292,10 @@ class GroupedMLP(nn.Module):
             raise ValueError(f"tokens_per_expert_list: expected {self.num_local_experts} counts, "
                              f"got {len(tokens_per_expert_list)}")
 
-        packed_shape = rows.shape if rows.dim() == 3 else None
-        num_rows = rows.shape[:-1].numel()
-        seg = ExpertSegments(tokens_per_expert, num_rows, None if packed_shape is None else packed_shape[1],
-                             tokens_per_expert_list)
-        flat = (lambda t: t.flatten(0, 1)) if packed_shape is not None else (lambda t: t)  # noqa: E731
-        carrier = None if carrier is None else flat(carrier)
-        if is_fp8:
-            out = self._run_fp8_tokens(flat(x[0]), flat(_float_scales(*x)), carrier, seg)
-        elif self.use_fp8:
-            # Straight-through: `x` itself carries the gradient of the tokens' FP8 cast.
-            out = _FP8SwiGLU.apply(*per_token_cast_to_fp8(flat(x).detach()), flat(x),
-                                   self.gate_up_proj, self.down_proj, seg)
-        else:
-            out = self._bf16(flat(x), seg)
-        if routing_weights is not None:
-            acc = torch.promote_types(out.dtype, torch.float32)
-            out = (out.to(acc) * flat(routing_weights).to(acc)[:, None]).to(out.dtype)
-        return out if packed_shape is None else out.view(packed_shape)
-
-    def _run_fp8_tokens(self, q: torch.Tensor, scales: torch.Tensor, carrier: Optional[torch.Tensor],
-                        seg: ExpertSegments) -> torch.Tensor:
+    def _from_fp8_tokens(self, q: torch.Tensor, scales: torch.Tensor, carrier: Optional[torch.Tensor],
+                         seg: ExpertSegments) -> torch.Tensor:
         if self.use_fp8:
-            return _FP8SwiGLU.apply(q, scales, carrier, self.gate_up_proj, self.down_proj, seg)
+            return self._fp8(q, scales, carrier, seg)
         dense = per_token_cast_back(q, scales, self.gate_up_proj.dtype)
         # Adding the all-zero carrier changes no value but routes the tokens' gradient into it.
         return self._bf16(dense if carrier is None else dense + carrier, seg)
@@ -292,3 +305,17 @@ class GroupedMLP(nn.Module):
         z = grouped_linear(x, self.gate_up_proj.to(x.dtype), seg)
         h = swiglu(*z.chunk(2, dim=-1))
         return seg.mask(grouped_linear(h, self.down_proj.to(x.dtype), seg))
+
+    def _fp8(self, q: torch.Tensor, scales: torch.Tensor, carrier: Optional[torch.Tensor],
+             seg: ExpertSegments) -> torch.Tensor:
+        return _FP8SwiGLU.apply(q, scales, carrier, self.gate_up_proj, self.down_proj, self._fp8_weights(), seg)
+
+    @torch.no_grad()
+    def _fp8_weights(self) -> tuple[FP8Tokens, FP8Tokens]:
+        params = (self.gate_up_proj, self.down_proj)
+        key = tuple((p._version, p.data_ptr(), p.device, p.dtype) for p in params)
+        if self._fp8_weight_cache is not None and self._fp8_weight_cache[0] == key:
+            return self._fp8_weight_cache[1]
+        weights_8 = (per_block_cast_to_fp8(self.gate_up_proj), per_block_cast_to_fp8(self.down_proj))
+        self._fp8_weight_cache = (key, weights_8) if self.cache_fp8_weights else None
+        return weights_8
