@@ -1,25 +1,37 @@
-"""Shared fixtures: `dist_pool(world)` returns a live gloo process pool of that size."""
+"""Shared fixtures: `dist_pool(world)` (gloo) and `nccl_pool(world)` (one GPU per rank) return live pools."""
 
 from __future__ import annotations
 
 from typing import Callable, Iterator
 
 import pytest
+import torch
 
 from dist_pool import DistPool
 
 
-@pytest.fixture(scope="session")
-def dist_pool() -> Iterator[Callable[[int], DistPool]]:
+def _pools(backend: str) -> Iterator[Callable[[int], DistPool]]:
     pools: dict[int, DistPool] = {}
 
     def get(world: int) -> DistPool:
+        if backend == "nccl" and torch.cuda.device_count() < world:
+            pytest.skip(f"needs {world} GPUs, found {torch.cuda.device_count()}")
         if world in pools and pools[world].broken:
             pools.pop(world).close()
         if world not in pools:
-            pools[world] = DistPool(world)
+            pools[world] = DistPool(world, backend)
         return pools[world]
 
     yield get
     for pool in pools.values():
         pool.close()
+
+
+@pytest.fixture(scope="session")
+def dist_pool() -> Iterator[Callable[[int], DistPool]]:
+    yield from _pools("gloo")
+
+
+@pytest.fixture(scope="session")
+def nccl_pool() -> Iterator[Callable[[int], DistPool]]:
+    yield from _pools("nccl")

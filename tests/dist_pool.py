@@ -1,4 +1,4 @@
-"""Persistent pools of gloo worker processes, one pool per world size, shared by the CPU tests.
+"""Persistent pools of worker processes, one pool per (backend, world size), shared by the tests.
 
 A test sends a module-level function to every rank of a pool; each rank runs `fn(rank, world, *args)`
 inside an initialized process group and the results come back in rank order. Spawning once per
@@ -27,13 +27,17 @@ def _free_port() -> int:
         return sock.getsockname()[1]
 
 
-def _worker(rank: int, world: int, port: int, tasks: Any, results: Any) -> None:
+def _worker(rank: int, world: int, port: int, backend: str, tasks: Any, results: Any) -> None:
     os.environ.setdefault("OMP_NUM_THREADS", "1")
     import torch
 
     torch.set_num_threads(1)
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world,
-                            timeout=datetime.timedelta(seconds=GLOO_TIMEOUT_S))
+    options = {}
+    if backend == "nccl":
+        torch.cuda.set_device(rank)
+        options["device_id"] = torch.device("cuda", rank)
+    dist.init_process_group(backend, init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world,
+                            timeout=datetime.timedelta(seconds=GLOO_TIMEOUT_S), **options)
     while True:
         task = tasks.get()
         if task is None:
@@ -47,15 +51,16 @@ def _worker(rank: int, world: int, port: int, tasks: Any, results: Any) -> None:
 
 
 class DistPool:
-    """`world` spawned ranks in one gloo group."""
+    """`world` spawned ranks in one process group: gloo on CPU, or NCCL with GPU `rank` per rank."""
 
-    def __init__(self, world: int) -> None:
+    def __init__(self, world: int, backend: str = "gloo") -> None:
         ctx = mp.get_context("spawn")
         self.world = world
         self.tasks = [ctx.Queue() for _ in range(world)]
         self.results = ctx.Queue()
         port = _free_port()
-        self.procs = [ctx.Process(target=_worker, args=(r, world, port, self.tasks[r], self.results), daemon=True)
+        self.procs = [ctx.Process(target=_worker, args=(r, world, port, backend, self.tasks[r], self.results),
+                                daemon=True)
                       for r in range(world)]
         for proc in self.procs:
             proc.start()

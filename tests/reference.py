@@ -19,6 +19,19 @@ class RankInputs:
     topk_idx: torch.Tensor  # [T, k] int64 with -1 masked slots
     topk_weights: torch.Tensor  # [T, k] float32
 
+    def to(self, device: torch.device | str) -> "RankInputs":
+        return RankInputs(self.x.to(device), self.topk_idx.to(device), self.topk_weights.to(device))
+
+
+def to_cpu(value: object) -> object:
+    """Tensors (also inside tuples and NamedTuples) moved to the CPU for comparison with the reference."""
+    if isinstance(value, torch.Tensor):
+        return value.cpu()
+    if isinstance(value, tuple):
+        items = [to_cpu(v) for v in value]
+        return type(value)(*items) if hasattr(value, "_fields") else tuple(items)
+    return value
+
 
 def make_inputs(seed: int, world: int, num_tokens: list[int], hidden: int, num_experts: int, num_topk: int,
                 dtype: torch.dtype = torch.bfloat16, routing: str = "random", mask_prob: float = 0.2) -> list[RankInputs]:

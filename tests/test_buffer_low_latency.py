@@ -12,7 +12,7 @@ import moe_ep
 from moe_ep.ops import fp8
 from moe_ep.ops.routing import unpack_layout_range
 from reference import (low_latency_combine_reference, low_latency_expert_output, low_latency_reference,
-                       make_inputs)
+                       make_inputs, to_cpu)
 
 
 @dataclass(frozen=True)
@@ -43,23 +43,25 @@ CASES = [
 ]
 
 
-def _low_latency_round_trip(rank: int, world: int, case: dict) -> int:
+def _low_latency_round_trip(rank: int, world: int, case: dict, device: str = "cpu", backend: str = "torch") -> int:
+    """Every low-latency output of `backend` on `device` against the dense reference (exact order)."""
     c = Case(**case)
     num_experts = c.experts_per_rank * world
     inputs = make_inputs(77 + world, world, list(c.tokens[:world]), c.hidden, num_experts, c.topk, routing=c.routing)
-    mine = inputs[rank]
+    mine = inputs[rank].to(device)
     hint = moe_ep.Buffer.get_low_latency_rdma_size_hint(c.max_tokens, c.hidden, world, num_experts)
-    buffer = moe_ep.Buffer(dist.group.WORLD, num_rdma_bytes=hint, low_latency_mode=True, backend="torch")
-    stats = torch.zeros(c.experts_per_rank, dtype=torch.int32)
-    wait_ns = torch.zeros(world, dtype=torch.int64)
+    buffer = moe_ep.Buffer(dist.group.WORLD, num_rdma_bytes=hint, low_latency_mode=True, backend=backend)
+    stats = torch.zeros(c.experts_per_rank, dtype=torch.int32, device=device)
+    wait_ns = torch.zeros(world, dtype=torch.int64, device=device)
 
-    recv, recv_count, handle, _, hook = buffer.low_latency_dispatch(
+    recv, recv_count, device_handle, _, hook = buffer.low_latency_dispatch(
         mine.x, mine.topk_idx, c.max_tokens, num_experts, cumulative_local_expert_recv_stats=stats,
         dispatch_wait_recv_cost_stats=wait_ns, use_fp8=c.use_fp8, round_scale=c.round_scale, use_ue8m0=c.use_ue8m0,
         return_recv_hook=c.hook)
     assert (hook is not None) == c.hook
     if hook is not None:
         hook()
+    recv, recv_count, handle, stats, wait_ns = to_cpu((recv, recv_count, device_handle, stats, wait_ns))
     ref = low_latency_reference(inputs, rank, num_experts)
     slots = world * c.max_tokens
     data, scales = recv if c.use_fp8 else (recv, None)
@@ -78,7 +80,7 @@ def _low_latency_round_trip(rank: int, world: int, case: dict) -> int:
     for e, rows in enumerate(ref.rows):
         n = len(rows)
         assert handle.src_info[e, :n].tolist() == [t for _, t in rows]
-        expected = torch.stack([inputs[s].x[t] for s, t in rows]) if rows else mine.x.new_zeros(0, c.hidden)
+        expected = torch.stack([inputs[s].x[t] for s, t in rows]) if rows else inputs[rank].x.new_zeros(0, c.hidden)
         if c.use_fp8:
             q, s = fp8.per_token_cast_to_fp8(expected, c.round_scale, c.use_ue8m0)
             assert torch.equal(data[e, :n].view(torch.uint8), q.view(torch.uint8))
@@ -92,21 +94,23 @@ def _low_latency_round_trip(rank: int, world: int, case: dict) -> int:
         assert (data[e, n:].float() == 0).all()
         dequantized.append(got)
 
-    y = buffer.get_next_low_latency_combine_buffer(handle) if c.zero_copy else torch.zeros_like(data, dtype=torch.bfloat16)
+    if c.zero_copy:
+        y = buffer.get_next_low_latency_combine_buffer(device_handle)
+    else:
+        y = torch.zeros(data.shape, dtype=torch.bfloat16, device=device)
     assert y.shape == (c.experts_per_rank, slots, c.hidden) and y.dtype == torch.bfloat16
     for e, rows in enumerate(dequantized):
-        y[e, :rows.size(0)] = low_latency_expert_output(rows, rank * c.experts_per_rank + e)
-    out = torch.full(mine.x.shape, float("nan"), dtype=torch.bfloat16) if c.use_out else None
-    combined, _, hook = buffer.low_latency_combine(y, mine.topk_idx, mine.topk_weights, handle, zero_copy=c.zero_copy,
-                                                   return_recv_hook=c.hook, out=out)
+        y[e, :rows.size(0)] = low_latency_expert_output(rows, rank * c.experts_per_rank + e).to(device)
+    out = torch.full(mine.x.shape, float("nan"), dtype=torch.bfloat16, device=device) if c.use_out else None
+    combined, _, hook = buffer.low_latency_combine(y, mine.topk_idx, mine.topk_weights, device_handle,
+                                                   zero_copy=c.zero_copy, return_recv_hook=c.hook, out=out)
     if hook is not None:
         hook()
     if out is not None:
         assert combined.data_ptr() == out.data_ptr()
-    mine_dequantized = (fp8.per_token_cast_back(*fp8.per_token_cast_to_fp8(mine.x, c.round_scale, c.use_ue8m0))
-                        if c.use_fp8 else mine.x)
-    expected = low_latency_combine_reference(inputs, rank, mine_dequantized)
-    assert torch.equal(combined, expected)
+    x = inputs[rank].x
+    seen = fp8.per_token_cast_back(*fp8.per_token_cast_to_fp8(x, c.round_scale, c.use_ue8m0)) if c.use_fp8 else x
+    assert torch.equal(combined.cpu(), low_latency_combine_reference(inputs, rank, seen))
     return sum(ref.recv_count)
 
 

@@ -10,7 +10,7 @@ import torch.distributed as dist
 
 import moe_ep
 from moe_ep.ops import fp8
-from reference import combine_reference, dispatch_reference, expert_output, make_inputs
+from reference import combine_reference, dispatch_reference, expert_output, make_inputs, to_cpu
 
 
 @dataclass(frozen=True)
@@ -39,13 +39,14 @@ CASES = [
 ]
 
 
-def _normal_round_trip(rank: int, world: int, case: dict) -> int:
+def _normal_round_trip(rank: int, world: int, case: dict, device: str = "cpu", backend: str = "torch") -> int:
+    """Every normal-mode output of `backend` on `device` against the dense reference (on the CPU)."""
     c = Case(**case)
     num_experts = c.experts_per_rank * world
     inputs = make_inputs(1234 + world, world, list(c.tokens[:world]), c.hidden, num_experts, c.topk,
                          dtype=getattr(torch, c.dtype), routing=c.routing)
-    mine = inputs[rank]
-    buffer = moe_ep.Buffer(dist.group.WORLD, backend="torch")
+    mine = inputs[rank].to(device)
+    buffer = moe_ep.Buffer(dist.group.WORLD, backend=backend)
     config = moe_ep.Config(c.num_sms, 6, 256, 6, 128)
     ref = dispatch_reference(inputs, rank, num_experts, c.alignment, config.num_channels)
 
@@ -54,18 +55,20 @@ def _normal_round_trip(rank: int, world: int, case: dict) -> int:
     assert per_node is None
     assert num_tokens_per_rank.tolist() == ref.num_tokens_per_rank
     assert num_tokens_per_expert.tolist() == ref.num_tokens_per_expert
-    assert torch.equal(is_token_in_rank, ref.is_token_in_rank)
+    assert torch.equal(is_token_in_rank.cpu(), ref.is_token_in_rank)
 
     num_worst = 0
     if c.worst_extra >= 0:
         totals = [len(dispatch_reference(inputs, r, num_experts, 1, 1).rows) for r in range(world)]
         num_worst = max(totals) + c.worst_extra
     x = fp8.per_token_cast_to_fp8(mine.x.float()) if c.use_fp8 else mine.x
-    recv_x, recv_idx, recv_w, per_expert, handle, event = buffer.dispatch(
+    dispatched = buffer.dispatch(
         x, num_tokens_per_rank=num_tokens_per_rank, is_token_in_rank=is_token_in_rank,
         num_tokens_per_expert=num_tokens_per_expert, topk_idx=mine.topk_idx, topk_weights=mine.topk_weights,
         expert_alignment=c.alignment, num_worst_tokens=num_worst, config=config, async_finish=True)
-    event.current_stream_wait()
+    dispatched[-1].current_stream_wait()
+    device_recv_x, device_handle = dispatched[0], dispatched[4]
+    recv_x, recv_idx, recv_w, per_expert, handle = to_cpu(dispatched[:5])
     n = len(ref.rows)
     rows = num_worst if num_worst else n
 
@@ -97,7 +100,7 @@ def _normal_round_trip(rank: int, world: int, case: dict) -> int:
     assert torch.equal(handle.is_token_in_rank, ref.is_token_in_rank)
     assert handle.rank_prefix_matrix is handle[0] and len(handle) == 6  # a NamedTuple like DeepEP's tuple
 
-    cached = buffer.dispatch(x, handle=handle, config=config)
+    cached = to_cpu(buffer.dispatch(x, handle=device_handle, config=config))
     assert cached[1:5] == (None, None, None, None)
     if c.use_fp8:
         assert torch.equal(cached[0][0].view(torch.uint8), recv_x[0].view(torch.uint8))
@@ -106,15 +109,16 @@ def _normal_round_trip(rank: int, world: int, case: dict) -> int:
 
     gen = torch.Generator().manual_seed(99 + rank)
     bias = [torch.randn(mine.x.shape, generator=gen).to(mine.x.dtype) for _ in range(2)]
-    combined, combined_w, _ = buffer.combine(expert_output(recv_x, rank), handle, topk_weights=recv_w,
-                                             bias=(bias[0], bias[1]), config=config)
+    expert_out = expert_output(device_recv_x, rank)
+    combined, combined_w, _ = to_cpu(buffer.combine(expert_out, device_handle, topk_weights=dispatched[2],
+                                                    bias=(bias[0].to(device), bias[1].to(device)), config=config))
     ref_out, ref_w = combine_reference(inputs, rank, num_experts, bias)
     assert torch.equal(combined, ref_out)
     assert torch.allclose(combined_w, ref_w, rtol=0, atol=1e-6)
     # Weights of non-masked slots come back exactly; masked slots give 0.
-    valid = mine.topk_idx >= 0
-    assert torch.equal(combined_w[valid], mine.topk_weights[valid]) and (combined_w[~valid] == 0).all()
-    plain, no_weights, _ = buffer.combine(expert_output(recv_x, rank), handle)
+    valid = inputs[rank].topk_idx >= 0
+    assert torch.equal(combined_w[valid], inputs[rank].topk_weights[valid]) and (combined_w[~valid] == 0).all()
+    plain, no_weights, _ = to_cpu(buffer.combine(expert_out, device_handle))
     assert no_weights is None and torch.equal(plain, combine_reference(inputs, rank, num_experts)[0])
     return n
 
