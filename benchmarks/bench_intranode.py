@@ -1,0 +1,238 @@
+"""Intranode normal-mode benchmark of the CUDA backend against NCCL all_to_all_single.
+
+Spawns one process per GPU (NCCL group), builds DeepEP's standard workload (tokens per rank, hidden,
+top-k of E experts, uniform random routing) and reports for dispatch BF16, dispatch FP8 and combine
+BF16 the time (median over iterations, slowest rank) and the bandwidth in two metrics:
+  * DeepEP's: bytes of the receive buffer on a rank, its own tokens included (FP8: data + scales);
+  * remote: bytes that cross NVLink (rows received from other ranks).
+NCCL all_to_all_single moving the same remote rows (BF16) is timed in the same run. A tuning sweep
+over Config values picks the defaults per world size.
+
+    python benchmarks/bench_intranode.py --out results.json [--worlds 4] [--quick]
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import itertools
+import json
+import os
+import socket
+import statistics
+import time
+from typing import Callable
+
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+import moe_ep
+from moe_ep.ops import fp8
+
+NVL_BYTES = 2 << 30
+
+
+def _free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def _time_us(fn: Callable[[], object], warmup: int, iters: int) -> float:
+    """Median wall time of `fn` on the GPU (CUDA events), each run started in step with every rank."""
+    for _ in range(warmup):
+        fn()
+    times = []
+    for _ in range(iters):
+        torch.cuda.synchronize()
+        dist.barrier()
+        torch.cuda.synchronize()
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        fn()
+        end.record()
+        end.synchronize()
+        times.append(start.elapsed_time(end) * 1e3)
+    median = torch.tensor([statistics.median(times)], device="cuda")
+    dist.all_reduce(median, op=dist.ReduceOp.MAX)  # the slowest rank bounds the collective
+    return float(median.item())
+
+
+def _workload(rank: int, world: int, tokens: int, hidden: int, num_experts: int, topk: int, seed: int):
+    gen = torch.Generator(device="cuda").manual_seed(seed + rank)
+    x = torch.randn(tokens, hidden, device="cuda", generator=gen).to(torch.bfloat16)
+    scores = torch.randn(tokens, num_experts, device="cuda", generator=gen).abs() + 1
+    topk_idx = scores.topk(topk, dim=1).indices
+    topk_weights = torch.rand(tokens, topk, device="cuda", generator=gen)
+    return x, topk_idx, topk_weights
+
+
+class Bench:
+    """One workload on one Buffer: timed dispatch (BF16, FP8), combine and the NCCL baseline."""
+
+    def __init__(self, buffer: moe_ep.Buffer, rank: int, world: int, tokens: int, hidden: int, num_experts: int,
+                 topk: int, warmup: int, iters: int) -> None:
+        self.buffer, self.rank, self.world, self.hidden = buffer, rank, world, hidden
+        self.warmup, self.iters = warmup, iters
+        self.num_experts = num_experts
+        self.x, self.topk_idx, self.topk_weights = _workload(rank, world, tokens, hidden, num_experts, topk, 17)
+        self.x_fp8 = fp8.per_token_cast_to_fp8(self.x.float())
+        self.layout = buffer.get_dispatch_layout(self.topk_idx, num_experts)[:4]
+        per_rank = self.layout[0]
+        counts = torch.empty(world * world, dtype=torch.int32, device="cuda")
+        dist.all_gather_into_tensor(counts, per_rank)
+        counts = counts.view(world, world).cpu()  # [src, dst]
+        self.recv_rows = int(counts[:, rank].sum())
+        self.remote_rows = self.recv_rows - int(counts[rank, rank])
+        self.send_remote = [0 if d == rank else int(counts[rank, d]) for d in range(world)]
+        self.recv_remote = [0 if s == rank else int(counts[s, rank]) for s in range(world)]
+
+    def dispatch(self, config: moe_ep.Config, use_fp8: bool):
+        per_rank, _, per_expert, in_rank = self.layout
+        return self.buffer.dispatch(self.x_fp8 if use_fp8 else self.x, num_tokens_per_rank=per_rank,
+                                    is_token_in_rank=in_rank, num_tokens_per_expert=per_expert,
+                                    topk_idx=self.topk_idx, topk_weights=self.topk_weights, config=config)
+
+    def measure(self, dispatch_config: moe_ep.Config, combine_config: moe_ep.Config) -> dict[str, float]:
+        row_bf16 = self.hidden * 2
+        row_fp8 = self.hidden + self.hidden // 128 * 4
+        out: dict[str, float] = {}
+        for name, use_fp8, row in (("dispatch_bf16", False, row_bf16), ("dispatch_fp8", True, row_fp8)):
+            t = _time_us(lambda: self.dispatch(dispatch_config, use_fp8), self.warmup, self.iters)
+            out[f"{name}_us"] = t
+            out[f"{name}_deepep_gbs"] = self.recv_rows * row / t / 1e3
+            out[f"{name}_remote_gbs"] = self.remote_rows * row / t / 1e3
+        recv_x, _, recv_w, _, handle, _ = self.dispatch(dispatch_config, False)
+        t = _time_us(lambda: self.buffer.combine(recv_x, handle, topk_weights=recv_w, config=combine_config),
+                     self.warmup, self.iters)
+        out["combine_bf16_us"] = t
+        out["combine_bf16_deepep_gbs"] = self.recv_rows * row_bf16 / t / 1e3
+        out["combine_bf16_remote_gbs"] = self.remote_rows * row_bf16 / t / 1e3
+        return out
+
+    def measure_layout(self) -> float:
+        return _time_us(lambda: self.buffer.get_dispatch_layout(self.topk_idx, self.num_experts), self.warmup,
+                        self.iters)
+
+    def measure_nccl(self) -> dict[str, float]:
+        """all_to_all_single of the same remote BF16 rows (each rank sends what dispatch sends remotely)."""
+        send = torch.randn(sum(self.send_remote), self.hidden, device="cuda").to(torch.bfloat16)
+        recv = torch.empty(sum(self.recv_remote), self.hidden, device="cuda", dtype=torch.bfloat16)
+        t = _time_us(lambda: dist.all_to_all_single(recv, send, self.recv_remote, self.send_remote), self.warmup,
+                     self.iters)
+        return {"nccl_a2a_us": t, "nccl_a2a_remote_gbs": self.remote_rows * self.hidden * 2 / t / 1e3,
+                "nccl_a2a_deepep_equiv_gbs": self.recv_rows * self.hidden * 2 / t / 1e3}
+
+
+def _sweep_configs(quick: bool) -> list[tuple[int, int, int]]:
+    if quick:
+        return [(24, 8, 256), (20, 8, 256)]
+    return list(itertools.product((16, 20, 24), (4, 8, 16, 32), (128, 256, 512)))
+
+
+def _worker(rank: int, world: int, port: int, args: argparse.Namespace, results) -> None:
+    torch.cuda.set_device(rank)
+    dist.init_process_group("nccl", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world,
+                            timeout=datetime.timedelta(seconds=300), device_id=torch.device("cuda", rank))
+    buffer = moe_ep.Buffer(dist.group.WORLD, NVL_BYTES, backend="cuda")
+    report: dict[str, object] = {"world": world}
+    main = Bench(buffer, rank, world, args.tokens, args.hidden, args.experts, args.topk, args.warmup, args.iters)
+    report["recv_rows_rank0"] = main.recv_rows
+    report["remote_rows_rank0"] = main.remote_rows
+    report["layout_us"] = main.measure_layout()
+    report["nccl"] = main.measure_nccl()
+
+    sweep = []
+    for num_sms, send_chunk, ring in _sweep_configs(args.quick):
+        config = moe_ep.Config(num_sms, send_chunk, ring, 6, 128)
+        started = time.time()
+        result = main.measure(config, config)
+        sweep.append({"num_sms": num_sms, "send_chunk": send_chunk, "ring_slots": ring, **result})
+        if rank == 0:
+            print(f"[world {world}] sms={num_sms:2d} chunk={send_chunk:2d} ring={ring:3d}: "
+                  f"dispatch {result['dispatch_bf16_us']:7.1f} us, fp8 {result['dispatch_fp8_us']:7.1f} us, "
+                  f"combine {result['combine_bf16_us']:7.1f} us ({time.time() - started:.1f} s)", flush=True)
+    report["sweep"] = sweep
+    max_sms = args.max_sms
+    eligible = [s for s in sweep if s["num_sms"] <= max_sms]
+    best_dispatch = min(eligible, key=lambda s: s["dispatch_bf16_us"] + s["dispatch_fp8_us"])
+    best_combine = min(eligible, key=lambda s: s["combine_bf16_us"])
+    report["best_dispatch"] = best_dispatch
+    report["best_combine"] = best_combine
+    dispatch_config = moe_ep.Config(best_dispatch["num_sms"], best_dispatch["send_chunk"], best_dispatch["ring_slots"],
+                                    6, 128)
+    combine_config = moe_ep.Config(best_combine["num_sms"], best_combine["send_chunk"], best_combine["ring_slots"],
+                                   6, 128)
+
+    token_sweep = []
+    for tokens in args.token_sweep:
+        bench = Bench(buffer, rank, world, tokens, args.hidden, args.experts, args.topk, args.warmup, args.iters)
+        token_sweep.append({"tokens": tokens, "recv_rows_rank0": bench.recv_rows,
+                            **bench.measure(dispatch_config, combine_config), **bench.measure_nccl()})
+        if rank == 0:
+            print(f"[world {world}] tokens={tokens}: {token_sweep[-1]}", flush=True)
+    report["token_sweep"] = token_sweep
+    if rank == 0:
+        results.put(report)
+    dist.barrier()
+    dist.destroy_process_group()
+    os._exit(0)
+
+
+def _run_world(world: int, args: argparse.Namespace) -> dict:
+    ctx = mp.get_context("spawn")
+    results = ctx.Queue()
+    port = _free_port()
+    procs = [ctx.Process(target=_worker, args=(r, world, port, args, results)) for r in range(world)]
+    for proc in procs:
+        proc.start()
+    report = results.get(timeout=args.timeout)
+    for proc in procs:
+        proc.join(timeout=60)
+    return report
+
+
+def _table(reports: list[dict]) -> str:
+    lines = ["world  op             SMs  time(us)  DeepEP GB/s  remote GB/s  | NCCL a2a same remote bytes"]
+    for rep in reports:
+        nccl = rep["nccl"]
+        for op, key, best in (("dispatch bf16", "dispatch_bf16", rep["best_dispatch"]),
+                              ("dispatch fp8", "dispatch_fp8", rep["best_dispatch"]),
+                              ("combine bf16", "combine_bf16", rep["best_combine"])):
+            lines.append(f"{rep['world']:5d}  {op:13s}  {best['num_sms']:3d}  {best[key + '_us']:8.1f}  "
+                         f"{best[key + '_deepep_gbs']:11.1f}  {best[key + '_remote_gbs']:11.1f}  | "
+                         f"{nccl['nccl_a2a_us']:.1f} us, {nccl['nccl_a2a_remote_gbs']:.1f} GB/s")
+        lines.append(f"{rep['world']:5d}  layout kernel {rep['layout_us']:.1f} us")
+    return "\n".join(lines)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--out", required=True)
+    parser.add_argument("--worlds", default="4")
+    parser.add_argument("--tokens", type=int, default=4096)
+    parser.add_argument("--hidden", type=int, default=7168)
+    parser.add_argument("--experts", type=int, default=256)
+    parser.add_argument("--topk", type=int, default=8)
+    parser.add_argument("--max-sms", type=int, default=24)
+    parser.add_argument("--warmup", type=int, default=3)
+    parser.add_argument("--iters", type=int, default=20)
+    parser.add_argument("--token-sweep", default="128,512,1024,2048,4096,8192")
+    parser.add_argument("--quick", action="store_true", help="two configs instead of the full sweep")
+    parser.add_argument("--timeout", type=float, default=400)
+    args = parser.parse_args()
+    args.token_sweep = [int(t) for t in args.token_sweep.split(",") if t]
+    reports = []
+    for world in [int(w) for w in args.worlds.split(",")]:
+        if world > torch.cuda.device_count():
+            print(f"skipping world {world}: only {torch.cuda.device_count()} GPUs")
+            continue
+        reports.append(_run_world(world, args))
+        with open(args.out, "w") as f:
+            json.dump({"args": vars(args), "device": torch.cuda.get_device_name(0), "reports": reports}, f, indent=1)
+    print(_table(reports))
+
+
+if __name__ == "__main__":
+    main()

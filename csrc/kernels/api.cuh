@@ -1,0 +1,160 @@
+// Host entry points of the moe_ep kernels. Plain C++ and CUDA runtime types only: the torch binding
+// layer (csrc/*.cpp) includes this header, the kernel files implement it. Low-latency kernels get
+// their own section and file (csrc/kernels/low_latency.cu) when they are written.
+#pragma once
+
+#include <cstdint>
+#include <cuda_runtime.h>
+
+namespace moe_ep::kernels {
+
+constexpr int kMaxRanks = 8;
+constexpr int kMaxChannels = 64;
+constexpr int kMaxTopk = 32;
+constexpr int kMaxLocalExperts = 256;
+constexpr int kMaxStages = 32;
+
+// Control area at the end of every rank's NVLink buffer, in ints. Peers write barrier signals, ring
+// tails/heads and notify slots into it; the owner clears tails/heads between barriers.
+namespace ctrl {
+constexpr int kBarrierSignal = 0;                          // [kMaxRanks], monotonically increasing
+constexpr int kBarrierEpoch = kMaxRanks;                   // barriers this rank has entered
+constexpr int kTail = 32;                                  // [kMaxChannels][kMaxRanks] written by senders
+constexpr int kHead = kTail + kMaxChannels * kMaxRanks;    // [kMaxChannels][kMaxRanks] written by receivers
+constexpr int kNotify = kHead + kMaxChannels * kMaxRanks;  // [kMaxRanks][kNotifySlot] written by peers
+constexpr int kNotifySlot = kMaxRanks + kMaxChannels + kMaxLocalExperts + 8;
+constexpr int kInts = kNotify + kMaxRanks * kNotifySlot;
+constexpr int64_t kBytes = (kInts * 4 + 4095) / 4096 * 4096;
+}  // namespace ctrl
+
+// Pinned, device-mapped memory through which kernels report to the host without a synchronization.
+struct HostFlags {
+    int recv_count;  // rows this rank receives; -1 until the notify kernel writes it
+    int error;       // ErrorCode, 0 while everything is fine
+    int error_detail;
+    int pad;
+    int expert_counts[kMaxLocalExperts];  // received slots per local expert, aligned
+};
+
+enum ErrorCode : int {
+    kOk = 0,
+    kErrBarrierTimeout = 1,     // a peer never reached a barrier
+    kErrSendTimeout = 2,        // a receiver never freed ring slots
+    kErrRecvTimeout = 3,        // a sender never delivered
+    kErrWorstTokens = 4,        // some rank receives more than num_worst_tokens rows (detail: that rank)
+    kErrInternalTimeout = 5,    // a pipeline stage inside one block never completed
+};
+
+// Base pointers of every rank's NVLink buffer as mapped into this process (own one included).
+struct PeerTable {
+    uint8_t* data[kMaxRanks];
+    int* ctrl[kMaxRanks];
+};
+
+// What every communication kernel needs to find its peers and report trouble.
+struct CommContext {
+    PeerTable peers;
+    int rank;
+    int num_ranks;
+    HostFlags* flags;  // device pointer of the mapped host flags
+    uint64_t timeout_ns;
+};
+
+// ---------------------------------------------------------------------------------------------
+// Normal mode (intranode NVLink)
+// ---------------------------------------------------------------------------------------------
+
+// is_token_in_rank [T, R], num_tokens_per_rank [R], num_tokens_per_expert [E] from topk_idx [T, k].
+cudaError_t launch_dispatch_layout(const int64_t* topk_idx, int num_tokens, int num_topk, int num_experts,
+                                   int num_ranks, bool* is_token_in_rank, int* num_tokens_per_rank,
+                                   int* num_tokens_per_expert, cudaStream_t stream);
+
+struct NotifyArgs {
+    const bool* is_token_in_rank;       // [T, R]
+    const int* num_tokens_per_rank;     // [R]
+    const int* num_tokens_per_expert;   // [E]
+    int num_tokens;
+    int num_channels;
+    int num_local_experts;
+    int expert_alignment;
+    int num_worst_tokens;
+    int* channel_prefix_matrix;       // out [R, C]
+    int* rank_prefix_matrix;          // out [R, R]
+    int* recv_channel_prefix_matrix;  // out [R, C]
+};
+
+// Exchanges counts with every peer; writes the three prefix matrices and, into the host flags, the
+// received row count and per-expert counts. Also resets the ring counters for the next data kernel.
+cudaError_t launch_notify_dispatch(const NotifyArgs& args, const CommContext& comm, cudaStream_t stream);
+
+// Barrier, reset of this rank's ring counters, barrier: what a data kernel needs when no notify runs.
+cudaError_t launch_prepare_rings(const CommContext& comm, cudaStream_t stream);
+
+struct DispatchArgs {
+    const void* x;                  // [T, row_bytes]
+    const uint32_t* x_scales;       // [T, G] 4-byte scales with row stride scale_stride, or null
+    int64_t scale_stride;
+    const int64_t* topk_idx;        // [T, k] or null
+    const float* topk_weights;      // [T, k] or null
+    const bool* is_token_in_rank;   // [T, R]
+    const int* channel_prefix_matrix;       // [R, C] sender side
+    const int* recv_channel_prefix_matrix;  // [R, C] receiver side
+    const int* rank_prefix_matrix;          // [R, R]
+    void* recv_x;                   // [N, row_bytes]
+    uint32_t* recv_x_scales;        // [N, G] or null
+    int64_t* recv_topk_idx;         // [N, k] or null
+    float* recv_topk_weights;       // [N, k] or null
+    int* recv_src_idx;              // [N] or null (cached dispatch keeps the handle's)
+    int* send_head;                 // [T, R] or null (cached dispatch keeps the handle's)
+    int num_tokens;
+    int row_bytes;
+    int num_scales;
+    int num_topk;
+    int num_local_experts;
+    int num_channels;
+    int ring_slots;       // Q: slots of each (channel, source) ring
+    int publish_every;    // ring counters are published at least every this many tokens
+};
+
+// Ring slot size in bytes for one dispatched token.
+int dispatch_slot_bytes(int row_bytes, int num_scales, int num_topk);
+int combine_slot_bytes(int row_bytes, int num_topk);
+// Pipeline stages that fit into one block's shared memory for a slot size (0 if not even two fit).
+int max_pipeline_stages(int slot_bytes);
+
+cudaError_t launch_dispatch(const DispatchArgs& args, const CommContext& comm, cudaStream_t stream);
+
+// Rows [*num_recv, num_rows) of the dispatch outputs become padding (0 / -1).
+cudaError_t launch_fill_padding(const int* num_recv, int num_rows, int row_bytes, void* recv_x, int num_scales,
+                                uint32_t* recv_x_scales, int num_topk, int64_t* recv_topk_idx,
+                                float* recv_topk_weights, int* recv_src_idx, cudaStream_t stream);
+
+enum class DType : int { kBFloat16 = 0, kFloat16 = 1, kFloat32 = 2, kFloat64 = 3 };
+
+struct CombineArgs {
+    const void* x;                  // [N, H] rows in this rank's dispatch receive layout
+    const float* topk_weights;      // [N, k] or null
+    const void* bias_0;             // [T, H] or null
+    const void* bias_1;             // [T, H] or null
+    const int* rank_prefix_matrix;          // [R, R]
+    const int* channel_prefix_matrix;       // [R, C] (this rank as dispatch sender)
+    const int* recv_channel_prefix_matrix;  // [R, C] (this rank as dispatch receiver)
+    const bool* is_token_in_rank;   // [T, R]
+    const int* send_head;           // [T, R]
+    void* combined_x;               // [T, H]
+    float* combined_topk_weights;   // [T, k] or null
+    DType dtype;
+    int num_tokens;
+    int row_bytes;
+    int num_topk;
+    int num_channels;
+    int ring_slots;
+    int publish_every;
+};
+
+cudaError_t launch_combine(const CombineArgs& args, const CommContext& comm, cudaStream_t stream);
+
+// Whether the kernels in this binary were compiled for sm_90.
+bool is_sm90_compiled();
+
+}  // namespace moe_ep::kernels

@@ -1,0 +1,302 @@
+// Intranode combine. Block 2c sends back the rows this rank received from channel c of every other
+// rank (ring slot: the row, then the k top-k weights); block 2c + 1 reduces channel c of this rank's
+// own tokens: bias first, then the contributions of ranks 0..R-1 in order, all in float32 (float64
+// for double), exactly like the torch backend. This rank's own contribution is read in place.
+#include <algorithm>
+
+#include <cuda_bf16.h>
+#include <cuda_fp16.h>
+
+#include "pipeline.cuh"
+
+namespace moe_ep::kernels {
+
+namespace {
+
+constexpr int kCombineThreads = 512;
+constexpr int kReduceWarps = kCombineThreads / 32;
+constexpr int kReduceChunk = 2 * kReduceWarps;  // tokens between two head publications
+constexpr int kUnroll = 2;                      // 16-byte units per lane in flight per contribution
+
+// 16 bytes of T widened into accumulators.
+template <typename T>
+struct Pack;
+
+template <>
+struct Pack<__nv_bfloat16> {
+    using Acc = float;
+    static constexpr int kN = 8;
+    static MOE_EP_DEVICE void add(Acc* acc, const int4& v) {
+        const __nv_bfloat162* h = reinterpret_cast<const __nv_bfloat162*>(&v);
+#pragma unroll
+        for (int i = 0; i < 4; ++i) {
+            const float2 f = __bfloat1622float2(h[i]);
+            acc[2 * i] += f.x;
+            acc[2 * i + 1] += f.y;
+        }
+    }
+    static MOE_EP_DEVICE int4 pack(const Acc* acc) {
+        int4 v;
+        __nv_bfloat162* h = reinterpret_cast<__nv_bfloat162*>(&v);
+#pragma unroll
+        for (int i = 0; i < 4; ++i) h[i] = __floats2bfloat162_rn(acc[2 * i], acc[2 * i + 1]);
+        return v;
+    }
+};
+
+template <>
+struct Pack<__half> {
+    using Acc = float;
+    static constexpr int kN = 8;
+    static MOE_EP_DEVICE void add(Acc* acc, const int4& v) {
+        const __half2* h = reinterpret_cast<const __half2*>(&v);
+#pragma unroll
+        for (int i = 0; i < 4; ++i) {
+            const float2 f = __half22float2(h[i]);
+            acc[2 * i] += f.x;
+            acc[2 * i + 1] += f.y;
+        }
+    }
+    static MOE_EP_DEVICE int4 pack(const Acc* acc) {
+        int4 v;
+        __half2* h = reinterpret_cast<__half2*>(&v);
+#pragma unroll
+        for (int i = 0; i < 4; ++i) h[i] = __floats2half2_rn(acc[2 * i], acc[2 * i + 1]);
+        return v;
+    }
+};
+
+template <>
+struct Pack<float> {
+    using Acc = float;
+    static constexpr int kN = 4;
+    static MOE_EP_DEVICE void add(Acc* acc, const int4& v) {
+        acc[0] += __int_as_float(v.x), acc[1] += __int_as_float(v.y);
+        acc[2] += __int_as_float(v.z), acc[3] += __int_as_float(v.w);
+    }
+    static MOE_EP_DEVICE int4 pack(const Acc* acc) {
+        return make_int4(__float_as_int(acc[0]), __float_as_int(acc[1]), __float_as_int(acc[2]), __float_as_int(acc[3]));
+    }
+};
+
+template <>
+struct Pack<double> {
+    using Acc = double;
+    static constexpr int kN = 2;
+    static MOE_EP_DEVICE void add(Acc* acc, const int4& v) {
+        const double* d = reinterpret_cast<const double*>(&v);
+        acc[0] += d[0], acc[1] += d[1];
+    }
+    static MOE_EP_DEVICE int4 pack(const Acc* acc) {
+        int4 v;
+        double* d = reinterpret_cast<double*>(&v);
+        d[0] = acc[0], d[1] = acc[1];
+        return v;
+    }
+};
+
+// Rows [start, start + count) of x that this rank sends back to `lane`'s rank for one channel.
+MOE_EP_DEVICE void returned_rows(const CombineArgs& a, int channel, int rank, int num_ranks, int lane, int& start,
+                                 int& count) {
+    start = count = 0;
+    if (lane < num_ranks && lane != rank) {
+        const int C = a.num_channels;
+        start = a.recv_channel_prefix_matrix[lane * C + channel];
+        const int end = channel + 1 < C ? a.recv_channel_prefix_matrix[lane * C + channel + 1]
+                                        : a.rank_prefix_matrix[lane * num_ranks + rank];
+        count = end - start;
+    }
+}
+
+MOE_EP_DEVICE void load_rows(const CombineArgs& a, const StageRing& ring, int channel, const CommContext& comm,
+                             volatile int* abort) {
+    const int lane = threadIdx.x & 31;
+    int start, count;
+    returned_rows(a, channel, comm.rank, comm.num_ranks, lane, start, count);
+    const int rounds = warp_max(count);
+    int seq = 0;
+    // Round-robin over destinations so that every ring fills at the same pace.
+    for (int i = 0; i < rounds; ++i) {
+        for (int s = 0; s < comm.num_ranks; ++s) {
+            if (i >= __shfl_sync(kFullMask, count, s)) continue;
+            const int row = __shfl_sync(kFullMask, start, s) + i;
+            if (!acquire_stage(ring, seq, comm, abort)) return;
+            if (a.topk_weights != nullptr && lane < a.num_topk) {
+                float* weights = reinterpret_cast<float*>(ring.stage(seq % ring.num_stages) + a.row_bytes);
+                weights[lane] = a.topk_weights[static_cast<size_t>(row) * a.num_topk + lane];
+            }
+            fill_stage(ring, seq, row, 1u << s, static_cast<const uint8_t*>(a.x) + static_cast<size_t>(row) * a.row_bytes,
+                       a.row_bytes);
+            ++seq;
+        }
+    }
+    if (acquire_stage(ring, seq, comm, abort)) fill_stage(ring, seq, -1, 0, nullptr, 0);
+}
+
+MOE_EP_DEVICE int4 load_row_unit(const uint8_t* row, int unit, bool in_ring) {
+    const int4* p = reinterpret_cast<const int4*>(row) + unit;
+    return in_ring ? __ldcg(p) : __ldg(p);
+}
+
+template <typename T>
+MOE_EP_DEVICE void reduce_channel(const CombineArgs& a, int channel, int slot_bytes, const CommContext& comm,
+                                  volatile int* abort) {
+    using P = Pack<T>;
+    using Acc = typename P::Acc;
+    __shared__ int s_head[2][kMaxRanks];  // consumed ring positions, per chunk parity
+    const int warp = threadIdx.x / 32, lane = threadIdx.x & 31;
+    const int R = comm.num_ranks, C = a.num_channels, me = comm.rank;
+    if (threadIdx.x < 2 * kMaxRanks) s_head[threadIdx.x / kMaxRanks][threadIdx.x % kMaxRanks] = 0;
+    asm volatile("bar.sync 1, %0;" ::"r"(kCombineThreads));
+
+    int begin, end;
+    channel_range(a.num_tokens, C, channel, begin, end);
+    // Lane r: where ring (channel, r) starts in r's block, how far its tail is known, its slots.
+    const int chan_start = lane < R && channel > 0 ? a.channel_prefix_matrix[lane * C + channel - 1] : 0;
+    const int self_base = me > 0 ? a.rank_prefix_matrix[(me - 1) * R + me] : 0;
+    const int* tail_ptr = comm.peers.ctrl[me] + ctrl::kTail + channel * kMaxRanks + lane;
+    const uint8_t* my_ring =
+        comm.peers.data[me] + ring_offset(channel, lane < R ? lane : 0, R, a.ring_slots, slot_bytes);
+    int tail_seen = 0, published = 0;
+    const int units = a.row_bytes / 16;
+
+    for (int chunk = begin, index = 0; chunk < end; chunk += kReduceChunk, ++index) {
+        const int parity = index & 1;
+        for (int t = chunk + warp; t < min(chunk + kReduceChunk, end); t += kReduceWarps) {
+            if (*abort) break;
+            const uint32_t mask =
+                __ballot_sync(kFullMask, lane < R && reinterpret_cast<const uint8_t*>(a.is_token_in_rank)[
+                                                         static_cast<size_t>(t) * R + lane] != 0);
+            const uint8_t* row = nullptr;
+            bool ok = true;
+            int pos = 0;
+            if ((mask >> lane) & 1) {
+                const int head = a.send_head[static_cast<size_t>(t) * R + lane];
+                if (lane == me) {
+                    row = static_cast<const uint8_t*>(a.x) + static_cast<size_t>(self_base + head) * a.row_bytes;
+                } else {
+                    pos = head - chan_start;
+                    if (pos >= tail_seen)
+                        ok = wait_until([&] { return (tail_seen = ld_acquire_sys(tail_ptr)) > pos; }, comm, abort,
+                                        kErrRecvTimeout);
+                    row = my_ring + static_cast<size_t>(pos % a.ring_slots) * slot_bytes;
+                }
+            }
+            __syncwarp();  // lane r's acquire of tail r covers every lane's reads of that ring
+            if (!__all_sync(kFullMask, ok)) break;
+            const uint8_t* rows[kMaxRanks];
+#pragma unroll
+            for (int r = 0; r < kMaxRanks; ++r)
+                rows[r] = reinterpret_cast<const uint8_t*>(
+                    __shfl_sync(kFullMask, reinterpret_cast<unsigned long long>(row), r));
+
+            const size_t out_row = static_cast<size_t>(t) * a.row_bytes;
+            for (int u0 = lane; u0 < units; u0 += 32 * kUnroll) {
+                Acc acc[kUnroll][P::kN];
+#pragma unroll
+                for (int i = 0; i < kUnroll; ++i) {
+#pragma unroll
+                    for (int e = 0; e < P::kN; ++e) acc[i][e] = Acc(0);
+                }
+                for (const void* bias : {a.bias_0, a.bias_1}) {
+                    if (bias == nullptr) continue;
+#pragma unroll
+                    for (int i = 0; i < kUnroll; ++i)
+                        if (u0 + 32 * i < units)
+                            P::add(acc[i], load_row_unit(static_cast<const uint8_t*>(bias) + out_row, u0 + 32 * i, false));
+                }
+#pragma unroll
+                for (int r = 0; r < kMaxRanks; ++r) {
+                    if (!((mask >> r) & 1)) continue;
+                    int4 v[kUnroll];
+#pragma unroll
+                    for (int i = 0; i < kUnroll; ++i)
+                        if (u0 + 32 * i < units) v[i] = load_row_unit(rows[r], u0 + 32 * i, r != me);
+#pragma unroll
+                    for (int i = 0; i < kUnroll; ++i)
+                        if (u0 + 32 * i < units) P::add(acc[i], v[i]);
+                }
+#pragma unroll
+                for (int i = 0; i < kUnroll; ++i)
+                    if (u0 + 32 * i < units)
+                        reinterpret_cast<int4*>(static_cast<uint8_t*>(a.combined_x) + out_row)[u0 + 32 * i] =
+                            P::pack(acc[i]);
+            }
+            if (a.combined_topk_weights != nullptr && lane < a.num_topk) {
+                float w = 0.0f;
+#pragma unroll
+                for (int r = 0; r < kMaxRanks; ++r) {
+                    if (!((mask >> r) & 1)) continue;
+                    if (r == me) {
+                        const int self_row = static_cast<int>((rows[r] - static_cast<const uint8_t*>(a.x)) / a.row_bytes);
+                        w += __ldg(a.topk_weights + static_cast<size_t>(self_row) * a.num_topk + lane);
+                    } else {
+                        w += __ldcg(reinterpret_cast<const float*>(rows[r] + a.row_bytes) + lane);
+                    }
+                }
+                a.combined_topk_weights[static_cast<size_t>(t) * a.num_topk + lane] = w;
+            }
+            if (((mask >> lane) & 1) && lane != me) atomicMax(&s_head[parity][lane], pos + 1);
+        }
+        asm volatile("bar.sync 1, %0;" ::"r"(kCombineThreads));
+        if (threadIdx.x < R && threadIdx.x != me && *abort == 0) {
+            const int head = s_head[parity][threadIdx.x];
+            if (head > published) {
+                st_release_sys(comm.peers.ctrl[threadIdx.x] + ctrl::kHead + channel * kMaxRanks + me, head);
+                published = head;
+            }
+        }
+    }
+}
+
+template <typename T>
+__global__ void __launch_bounds__(kCombineThreads, 1) combine_kernel(CombineArgs a, CommContext comm, int num_stages,
+                                                                      int slot_bytes) {
+    extern __shared__ __align__(1024) uint8_t smem[];
+    __shared__ volatile int s_abort;
+    const int channel = blockIdx.x / 2;
+    if (threadIdx.x == 0) s_abort = 0;
+    if (blockIdx.x % 2 == 1) {
+        reduce_channel<T>(a, channel, slot_bytes, comm, &s_abort);  // its first barrier orders s_abort
+        return;
+    }
+    const StageRing ring = make_stage_ring(smem, num_stages, slot_bytes);
+    __syncthreads();
+    const int warp = threadIdx.x / 32;
+    if (warp == 0) {
+        load_rows(a, ring, channel, comm, &s_abort);
+    } else if (warp == 1) {
+        run_storer(ring, StorerParams{channel, a.ring_slots, slot_bytes, a.publish_every}, comm, NoLocalSink{},
+                   &s_abort);
+    }
+}
+
+template <typename T>
+cudaError_t launch_typed(const CombineArgs& args, const CommContext& comm, cudaStream_t stream) {
+    const int slot_bytes = combine_slot_bytes(args.row_bytes, args.num_topk);
+    const int stages = max_pipeline_stages(slot_bytes);
+    if (stages == 0) return cudaErrorInvalidValue;
+    const size_t smem = kStageAlign * ((16 * kMaxStages + 8 * kMaxStages + kStageAlign - 1) / kStageAlign) +
+                        static_cast<size_t>(stages) * ((slot_bytes + kStageAlign - 1) / kStageAlign * kStageAlign);
+    cudaError_t err = cudaFuncSetAttribute(combine_kernel<T>, cudaFuncAttributeMaxDynamicSharedMemorySize,
+                                           static_cast<int>(smem));
+    if (err != cudaSuccess) return err;
+    combine_kernel<T><<<2 * args.num_channels, kCombineThreads, smem, stream>>>(args, comm, stages, slot_bytes);
+    return cudaGetLastError();
+}
+
+}  // namespace
+
+int combine_slot_bytes(int row_bytes, int num_topk) { return (row_bytes + 4 * num_topk + 15) / 16 * 16; }
+
+cudaError_t launch_combine(const CombineArgs& args, const CommContext& comm, cudaStream_t stream) {
+    switch (args.dtype) {
+        case DType::kBFloat16: return launch_typed<__nv_bfloat16>(args, comm, stream);
+        case DType::kFloat16: return launch_typed<__half>(args, comm, stream);
+        case DType::kFloat32: return launch_typed<float>(args, comm, stream);
+        case DType::kFloat64: return launch_typed<double>(args, comm, stream);
+    }
+    return cudaErrorInvalidValue;
+}
+
+}  // namespace moe_ep::kernels

@@ -1,0 +1,290 @@
+// Intranode dispatch. Block 2c sends channel c (a contiguous token range) to every destination; block
+// 2c + 1 receives channel c from every source. A ring slot holds one token: the hidden row, then the
+// extras [scales (G x 4 B) | source index | top-k ids (k x int32) | top-k weights (k x f32)].
+// Tokens for this rank itself skip the rings: the sender writes them straight into the outputs.
+#include <algorithm>
+
+#include "pipeline.cuh"
+
+namespace moe_ep::kernels {
+
+namespace {
+
+constexpr int kDispatchThreads = 128;  // warp 0 loads, warp 1 stores, warp 2 writes send_head
+
+struct SlotLayout {
+    int row_bytes, num_scales, num_topk;
+    MOE_EP_DEVICE int scales() const { return row_bytes / 4; }  // offsets in 4-byte words
+    MOE_EP_DEVICE int src() const { return scales() + num_scales; }
+    MOE_EP_DEVICE int topk() const { return src() + 1; }
+    MOE_EP_DEVICE int weights() const { return topk() + num_topk; }
+};
+
+// Writes one received token's extras into the outputs (lane-parallel), mapping expert ids to local ids.
+MOE_EP_DEVICE void write_recv_extras(const DispatchArgs& a, const SlotLayout& layout, const uint8_t* slot, int row,
+                                     int rank, int lane) {
+    const uint32_t* words = reinterpret_cast<const uint32_t*>(slot);
+    if (a.recv_x_scales != nullptr)
+        for (int g = lane; g < a.num_scales; g += 32)
+            a.recv_x_scales[static_cast<size_t>(row) * a.num_scales + g] = words[layout.scales() + g];
+    if (a.recv_src_idx != nullptr && lane == 0) a.recv_src_idx[row] = static_cast<int>(words[layout.src()]);
+    if (a.recv_topk_idx != nullptr && lane < a.num_topk) {
+        const int expert = static_cast<int>(words[layout.topk() + lane]);
+        const int first = rank * a.num_local_experts;
+        const bool local = expert >= first && expert < first + a.num_local_experts;
+        a.recv_topk_idx[static_cast<size_t>(row) * a.num_topk + lane] = local ? expert - first : -1;
+        if (a.recv_topk_weights != nullptr) {
+            const float w = __uint_as_float(words[layout.weights() + lane]);
+            a.recv_topk_weights[static_cast<size_t>(row) * a.num_topk + lane] = local ? w : 0.0f;
+        }
+    }
+}
+
+// Tokens this rank keeps: written straight into its own outputs by the storer warp.
+struct SelfSink {
+    static constexpr bool kEnabled = true;
+    const DispatchArgs* a;
+    SlotLayout layout;
+    int base_row;  // first output row of (this rank, this channel)
+    int rank;
+    MOE_EP_DEVICE void data(const uint8_t* stage, int, int pos) const {
+        bulk_store(static_cast<uint8_t*>(a->recv_x) + static_cast<size_t>(base_row + pos) * a->row_bytes, stage,
+                   a->row_bytes);
+    }
+    MOE_EP_DEVICE void extras(const uint8_t* stage, int, int pos, int lane) const {
+        write_recv_extras(*a, layout, stage, base_row + pos, rank, lane);
+    }
+};
+
+MOE_EP_DEVICE void load_tokens(const DispatchArgs& a, const SlotLayout& layout, const StageRing& ring, int begin,
+                               int end, const CommContext& comm, volatile int* abort) {
+    const int lane = threadIdx.x & 31;
+    int seq = 0;
+    for (int base = begin; base < end; base += 32) {
+        const int t = base + lane;
+        const uint32_t my_mask = t < end ? token_rank_mask(a.is_token_in_rank, t, comm.num_ranks) : 0;
+        uint32_t pending = __ballot_sync(kFullMask, my_mask != 0);
+        while (pending) {
+            const int src_lane = __ffs(pending) - 1;
+            pending &= pending - 1;
+            const int token = base + src_lane;
+            const uint32_t mask = __shfl_sync(kFullMask, my_mask, src_lane);
+            if (!acquire_stage(ring, seq, comm, abort)) return;
+            uint32_t* words = reinterpret_cast<uint32_t*>(ring.stage(seq % ring.num_stages));
+            if (a.x_scales != nullptr)
+                for (int g = lane; g < a.num_scales; g += 32)
+                    words[layout.scales() + g] = a.x_scales[static_cast<int64_t>(token) * a.scale_stride + g];
+            if (lane == 0) words[layout.src()] = static_cast<uint32_t>(token);
+            if (a.topk_idx != nullptr && lane < a.num_topk) {
+                const size_t k = static_cast<size_t>(token) * a.num_topk + lane;
+                words[layout.topk() + lane] = static_cast<uint32_t>(static_cast<int>(a.topk_idx[k]));
+                words[layout.weights() + lane] = a.topk_weights != nullptr ? __float_as_uint(a.topk_weights[k]) : 0u;
+            }
+            fill_stage(ring, seq, token, mask,
+                       static_cast<const uint8_t*>(a.x) + static_cast<size_t>(token) * a.row_bytes, a.row_bytes);
+            ++seq;
+        }
+    }
+    if (acquire_stage(ring, seq, comm, abort)) fill_stage(ring, seq, -1, 0, nullptr, 0);
+}
+
+// send_head[t, d]: position of token t inside the block destination d receives from this rank.
+MOE_EP_DEVICE void write_send_head(const DispatchArgs& a, int channel, int begin, int end, int num_ranks) {
+    const int lane = threadIdx.x & 31;
+    int running[kMaxRanks];
+#pragma unroll
+    for (int d = 0; d < kMaxRanks; ++d)
+        running[d] = d < num_ranks && channel > 0 ? a.channel_prefix_matrix[d * a.num_channels + channel - 1] : 0;
+    for (int base = begin; base < end; base += 32) {
+        const int t = base + lane;
+        const uint32_t mask = t < end ? token_rank_mask(a.is_token_in_rank, t, num_ranks) : 0;
+#pragma unroll
+        for (int d = 0; d < kMaxRanks; ++d) {
+            if (d >= num_ranks) break;
+            const bool hit = (mask >> d) & 1;
+            const uint32_t ballot = __ballot_sync(kFullMask, hit);
+            if (t < end)
+                a.send_head[static_cast<size_t>(t) * num_ranks + d] =
+                    hit ? running[d] + __popc(ballot & ((1u << lane) - 1)) : -1;
+            running[d] += __popc(ballot);
+        }
+    }
+}
+
+MOE_EP_DEVICE void run_receiver(const DispatchArgs& a, const SlotLayout& layout, const StageRing& ring, int channel,
+                                int slot_bytes, const CommContext& comm, volatile int* abort) {
+    const int warp = threadIdx.x / 32, lane = threadIdx.x & 31;
+    const int R = comm.num_ranks, C = a.num_channels, me = comm.rank;
+    // Lane s tracks source s: rows [start, start + count) of recv_x come from its ring.
+    int start = 0, count = 0;
+    if (lane < R && lane != me) {
+        start = a.recv_channel_prefix_matrix[lane * C + channel];
+        const int end = channel + 1 < C ? a.recv_channel_prefix_matrix[lane * C + channel + 1]
+                                        : a.rank_prefix_matrix[lane * R + me];
+        count = end - start;
+    }
+    const int total = warp_sum(count);
+    int* stage_row = ring.token;  // the receiver keeps the output row in the token field
+    if (warp == 0) {
+        // Loader: poll the tails and bulk-load every announced slot into a stage.
+        const int* tail_ptr = comm.peers.ctrl[me] + ctrl::kTail + channel * kMaxRanks + lane;
+        const uint8_t* my_ring = comm.peers.data[me] + ring_offset(channel, lane < R ? lane : 0, R, a.ring_slots,
+                                                                   slot_bytes);
+        int loaded = 0;
+        uint64_t deadline = global_timer_ns() + comm.timeout_ns;
+        for (int seq = 0; seq < total;) {
+            int ready = 0;
+            if (loaded < count) ready = min(ld_acquire_sys(tail_ptr), count) - loaded;
+            __syncwarp();
+            if (__ballot_sync(kFullMask, ready > 0) == 0) {
+                if (*abort) return;
+                if (global_timer_ns() > deadline) {
+                    report_error(comm.flags, kErrRecvTimeout);
+                    *abort = 1;
+                    return;
+                }
+                continue;
+            }
+            deadline = global_timer_ns() + comm.timeout_ns;
+            for (int s = 0; s < R; ++s) {
+                const int n = __shfl_sync(kFullMask, ready, s);
+                const int first = __shfl_sync(kFullMask, loaded, s);
+                const int row0 = __shfl_sync(kFullMask, start, s);
+                const uint8_t* src_ring = reinterpret_cast<const uint8_t*>(
+                    __shfl_sync(kFullMask, reinterpret_cast<unsigned long long>(my_ring), s));
+                for (int i = 0; i < n; ++i, ++seq) {
+                    if (!acquire_stage(ring, seq, comm, abort)) return;
+                    if (lane == 0) {
+                        const int st = seq % ring.num_stages;
+                        stage_row[st] = row0 + first + i;
+                        ring.mask[st] = s;
+                        fence_proxy_async_global();
+                        mbar_arrive_expect_tx(ring.full + st, slot_bytes);
+                        bulk_load(ring.stage(st), src_ring + static_cast<size_t>((first + i) % a.ring_slots) * slot_bytes,
+                                  slot_bytes, ring.full + st);
+                    }
+                    __syncwarp();
+                }
+            }
+            loaded += ready;
+        }
+    } else if (warp == 1) {
+        // Storer: stage -> recv_x row (bulk) and extras (lanes); frees ring slots by publishing heads.
+        int done = 0, published = 0;
+        int* head_ptr = lane < R ? comm.peers.ctrl[lane] + ctrl::kHead + channel * kMaxRanks + me : nullptr;
+        for (int seq = 0; seq < total; ++seq) {
+            const int st = seq % ring.num_stages;
+            if (!__all_sync(kFullMask, mbar_wait(ring.full + st, (seq / ring.num_stages) & 1, comm, abort))) break;
+            const int row = stage_row[st];
+            const int src = static_cast<int>(ring.mask[st]);
+            const uint8_t* stage = ring.stage(st);
+            if (lane == 0) {
+                bulk_store(static_cast<uint8_t*>(a.recv_x) + static_cast<size_t>(row) * a.row_bytes, stage, a.row_bytes);
+                bulk_commit();
+            }
+            write_recv_extras(a, layout, stage, row, me, lane);
+            if (lane == src) {
+                ++done;
+                if (done - published >= a.publish_every || done == count) {
+                    fence_proxy_async_global();
+                    st_release_sys(head_ptr, done);
+                    published = done;
+                }
+            }
+            if (lane == 0) bulk_wait_read<1>();
+            __syncwarp();
+            if (lane == 0 && seq > 0) mbar_arrive(ring.empty + (seq - 1) % ring.num_stages);
+        }
+        if (lane == 0) bulk_wait<0>();
+    }
+}
+
+__global__ void __launch_bounds__(kDispatchThreads, 1) dispatch_kernel(DispatchArgs a, CommContext comm,
+                                                                       int num_stages, int slot_bytes) {
+    extern __shared__ __align__(1024) uint8_t smem[];
+    __shared__ volatile int s_abort;
+    const int channel = blockIdx.x / 2;
+    const bool is_sender = blockIdx.x % 2 == 0;
+    const int warp = threadIdx.x / 32;
+    const SlotLayout layout{a.row_bytes, a.num_scales, a.num_topk};
+    const StageRing ring = make_stage_ring(smem, num_stages, slot_bytes);
+    if (threadIdx.x == 0) s_abort = 0;
+    __syncthreads();
+
+    if (!is_sender) {
+        run_receiver(a, layout, ring, channel, slot_bytes, comm, &s_abort);
+        return;
+    }
+    int begin, end;
+    channel_range(a.num_tokens, a.num_channels, channel, begin, end);
+    if (warp == 0) {
+        load_tokens(a, layout, ring, begin, end, comm, &s_abort);
+    } else if (warp == 1) {
+        const SelfSink sink{&a, layout, a.recv_channel_prefix_matrix[comm.rank * a.num_channels + channel], comm.rank};
+        run_storer(ring, StorerParams{channel, a.ring_slots, slot_bytes, a.publish_every}, comm, sink, &s_abort);
+    } else if (warp == 2 && a.send_head != nullptr) {
+        write_send_head(a, channel, begin, end, comm.num_ranks);
+    }
+}
+
+__global__ void fill_padding_kernel(const int* num_recv, int num_rows, int row_bytes, uint8_t* recv_x, int num_scales,
+                                    uint32_t* recv_x_scales, int num_topk, int64_t* recv_topk_idx,
+                                    float* recv_topk_weights, int* recv_src_idx) {
+    const int first = *num_recv;
+    const int units = row_bytes / 16;
+    for (int row = first + blockIdx.x; row < num_rows; row += gridDim.x) {
+        int4* out = reinterpret_cast<int4*>(recv_x + static_cast<size_t>(row) * row_bytes);
+        for (int u = threadIdx.x; u < units; u += blockDim.x) out[u] = make_int4(0, 0, 0, 0);
+        if (recv_x_scales != nullptr)
+            for (int g = threadIdx.x; g < num_scales; g += blockDim.x)
+                recv_x_scales[static_cast<size_t>(row) * num_scales + g] = 0;
+        if (threadIdx.x < num_topk) {
+            if (recv_topk_idx != nullptr) recv_topk_idx[static_cast<size_t>(row) * num_topk + threadIdx.x] = -1;
+            if (recv_topk_weights != nullptr) recv_topk_weights[static_cast<size_t>(row) * num_topk + threadIdx.x] = 0.0f;
+        }
+        if (threadIdx.x == 0 && recv_src_idx != nullptr) recv_src_idx[row] = -1;
+    }
+}
+
+}  // namespace
+
+int dispatch_slot_bytes(int row_bytes, int num_scales, int num_topk) {
+    return (row_bytes + 4 * (num_scales + 1 + 2 * num_topk) + 15) / 16 * 16;
+}
+
+int max_pipeline_stages(int slot_bytes) {
+    int device = 0, optin = 0;
+    if (cudaGetDevice(&device) != cudaSuccess ||
+        cudaDeviceGetAttribute(&optin, cudaDevAttrMaxSharedMemoryPerBlockOptin, device) != cudaSuccess)
+        return 0;
+    const int reserve = 1024 + 2048;  // barriers/metadata header and static shared memory
+    const int stride = (slot_bytes + kStageAlign - 1) / kStageAlign * kStageAlign;
+    const int stages = std::min(kMaxStages, (optin - reserve) / stride);
+    return stages >= 2 ? stages : 0;
+}
+
+cudaError_t launch_dispatch(const DispatchArgs& args, const CommContext& comm, cudaStream_t stream) {
+    const int slot_bytes = dispatch_slot_bytes(args.row_bytes, args.num_scales, args.num_topk);
+    const int stages = max_pipeline_stages(slot_bytes);
+    if (stages == 0) return cudaErrorInvalidValue;
+    const size_t smem = kStageAlign * ((16 * kMaxStages + 8 * kMaxStages + kStageAlign - 1) / kStageAlign) +
+                        static_cast<size_t>(stages) * ((slot_bytes + kStageAlign - 1) / kStageAlign * kStageAlign);
+    cudaError_t err = cudaFuncSetAttribute(dispatch_kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
+                                           static_cast<int>(smem));
+    if (err != cudaSuccess) return err;
+    dispatch_kernel<<<2 * args.num_channels, kDispatchThreads, smem, stream>>>(args, comm, stages, slot_bytes);
+    return cudaGetLastError();
+}
+
+cudaError_t launch_fill_padding(const int* num_recv, int num_rows, int row_bytes, void* recv_x, int num_scales,
+                                uint32_t* recv_x_scales, int num_topk, int64_t* recv_topk_idx,
+                                float* recv_topk_weights, int* recv_src_idx, cudaStream_t stream) {
+    if (num_rows == 0) return cudaSuccess;
+    const int blocks = std::min(num_rows, 1024);
+    fill_padding_kernel<<<blocks, 128, 0, stream>>>(num_recv, num_rows, row_bytes, static_cast<uint8_t*>(recv_x),
+                                                    num_scales, recv_x_scales, num_topk, recv_topk_idx,
+                                                    recv_topk_weights, recv_src_idx);
+    return cudaGetLastError();
+}
+
+}  // namespace moe_ep::kernels

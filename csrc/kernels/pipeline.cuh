@@ -1,0 +1,173 @@
+// The sending half of a channel, shared by dispatch and combine: a loader warp fills shared-memory
+// stages (one token each: bulk-loaded row + metadata written by lanes), a storer warp pushes every
+// stage with bulk copies into the rings of its destination ranks and publishes the ring tails.
+//
+// Ring protocol for one (channel, sender -> receiver) ring of Q slots: the sender writes slot
+// pos % Q, then (once the bulk write completed) publishes tail = pos + 1 into the receiver's control
+// area; the receiver consumes slots below tail and publishes head into the sender's control area. A
+// sender never writes slot pos unless pos - head < Q, and publishes its tail before waiting for head,
+// so neither side can wait on work the other has done but not announced.
+#pragma once
+
+#include "common.cuh"
+
+namespace moe_ep::kernels {
+
+// Shared-memory stage ring: `num_stages` buffers of `stride` bytes with full/empty barriers and the
+// token index / destination mask of what each stage holds.
+struct StageRing {
+    uint8_t* buffers;
+    int stride;
+    int num_stages;
+    uint64_t* full;
+    uint64_t* empty;
+    int* token;
+    uint32_t* mask;
+
+    MOE_EP_DEVICE uint8_t* stage(int i) const { return buffers + static_cast<size_t>(i) * stride; }
+};
+
+constexpr int kStageAlign = 128;
+
+MOE_EP_DEVICE int stage_stride(int slot_bytes) { return (slot_bytes + kStageAlign - 1) / kStageAlign * kStageAlign; }
+
+// Carves the dynamic shared memory into a stage ring; thread 0 initializes the barriers. Call from
+// all threads, followed by a block-wide barrier.
+MOE_EP_DEVICE StageRing make_stage_ring(uint8_t* smem, int num_stages, int slot_bytes) {
+    StageRing ring;
+    ring.full = reinterpret_cast<uint64_t*>(smem);
+    ring.empty = ring.full + kMaxStages;
+    ring.token = reinterpret_cast<int*>(ring.empty + kMaxStages);
+    ring.mask = reinterpret_cast<uint32_t*>(ring.token + kMaxStages);
+    ring.buffers = smem + kStageAlign * ((16 * kMaxStages + 8 * kMaxStages + kStageAlign - 1) / kStageAlign);
+    ring.stride = stage_stride(slot_bytes);
+    ring.num_stages = num_stages;
+    if (threadIdx.x == 0) {
+        for (int i = 0; i < num_stages; ++i) {
+            mbar_init(ring.full + i, 1);
+            mbar_init(ring.empty + i, 1);
+        }
+        asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
+        fence_proxy_async_shared();
+    }
+    return ring;
+}
+
+MOE_EP_DEVICE size_t stage_ring_smem_bytes(int num_stages, int slot_bytes) {
+    return kStageAlign * ((16 * kMaxStages + 8 * kMaxStages + kStageAlign - 1) / kStageAlign) +
+           static_cast<size_t>(num_stages) * stage_stride(slot_bytes);
+}
+
+// Loader side: wait until stage for sequence number `seq` is free. All lanes of the loader warp call it.
+MOE_EP_DEVICE bool acquire_stage(const StageRing& ring, int seq, const CommContext& comm, volatile int* abort) {
+    bool ok = true;
+    if (seq >= ring.num_stages) {
+        ok = mbar_wait(ring.empty + seq % ring.num_stages, ((seq / ring.num_stages) - 1) & 1, comm, abort);
+    }
+    return __all_sync(kFullMask, ok);
+}
+
+// Loader side, after the lanes wrote the stage's metadata: lane 0 publishes token/mask and starts the
+// bulk load of `bytes` from `src` into the front of the stage. `bytes` may be 0 (sentinel).
+MOE_EP_DEVICE void fill_stage(const StageRing& ring, int seq, int token, uint32_t mask, const void* src,
+                              uint32_t bytes) {
+    const int s = seq % ring.num_stages;
+    fence_proxy_async_shared();
+    __syncwarp();
+    if ((threadIdx.x & 31) == 0) {
+        ring.token[s] = token;
+        ring.mask[s] = mask;
+        if (bytes > 0) {
+            mbar_arrive_expect_tx(ring.full + s, bytes);
+            bulk_load(ring.stage(s), src, bytes, ring.full + s);
+        } else {
+            mbar_arrive(ring.full + s);
+        }
+    }
+    __syncwarp();
+}
+
+// Where the storer writes a stage destined for this rank itself (dispatch only).
+struct NoLocalSink {
+    static constexpr bool kEnabled = false;
+    MOE_EP_DEVICE void data(const uint8_t*, int, int) const {}
+    MOE_EP_DEVICE void extras(const uint8_t*, int, int, int) const {}
+};
+
+struct StorerParams {
+    int channel;
+    int ring_slots;
+    int slot_bytes;
+    int publish_every;
+};
+
+// Storer warp: lane d < R serves destination d. Sequence of stages ends with a token < 0.
+template <typename LocalSink>
+MOE_EP_DEVICE void run_storer(const StageRing& ring, const StorerParams& p, const CommContext& comm,
+                              const LocalSink& local, volatile int* abort) {
+    constexpr int kLag = 3;  // bulk groups left in flight before tails are published
+    const int lane = threadIdx.x & 31;
+    const int me = comm.rank;
+    const bool remote_lane = lane < comm.num_ranks && lane != me;
+    uint8_t* ring_base = nullptr;
+    int* tail_ptr = nullptr;
+    const int* head_ptr = comm.peers.ctrl[me] + ctrl::kHead + p.channel * kMaxRanks + lane;
+    if (remote_lane) {
+        ring_base = comm.peers.data[lane] + ring_offset(p.channel, me, comm.num_ranks, p.ring_slots, p.slot_bytes);
+        tail_ptr = comm.peers.ctrl[lane] + ctrl::kTail + p.channel * kMaxRanks + me;
+    }
+    int pos = 0, head = 0, published = 0;
+    // pos after stage seq, seq-1, seq-2, seq-3: after bulk_wait<kLag>() the writes up to done_3 are complete.
+    int done_0 = 0, done_1 = 0, done_2 = 0, done_3 = 0;
+    bool ok = true;
+    for (int seq = 0;; ++seq) {
+        const int s = seq % ring.num_stages;
+        ok = ok && mbar_wait(ring.full + s, (seq / ring.num_stages) & 1, comm, abort);
+        if (!__all_sync(kFullMask, ok)) break;
+        const int token = ring.token[s];
+        if (token < 0) break;
+        const uint32_t mask = ring.mask[s];
+        const uint8_t* stage = ring.stage(s);
+        const int my_pos = pos;
+        if (lane < comm.num_ranks && ((mask >> lane) & 1)) {
+            if (lane == me) {
+                local.data(stage, token, pos);
+            } else {
+                if (pos - head >= p.ring_slots) {
+                    // Announce everything written so far, then wait for the receiver to free a slot.
+                    bulk_wait<0>();
+                    fence_proxy_async_global();
+                    st_release_sys(tail_ptr, pos);
+                    published = pos;
+                    ok = wait_until([&] { return pos - (head = ld_acquire_sys(head_ptr)) < p.ring_slots; }, comm,
+                                    abort, kErrSendTimeout);
+                    fence_proxy_async_global();
+                }
+                if (ok) bulk_store(ring_base + static_cast<size_t>(pos % p.ring_slots) * p.slot_bytes, stage, p.slot_bytes);
+            }
+            ++pos;
+        }
+        bulk_commit();
+        __syncwarp();
+        if constexpr (LocalSink::kEnabled) {
+            if ((mask >> me) & 1) local.extras(stage, token, __shfl_sync(kFullMask, my_pos, me), lane);
+        }
+        bulk_wait_read<1>();
+        __syncwarp();
+        if (lane == 0 && seq > 0) mbar_arrive(ring.empty + (seq - 1) % ring.num_stages);
+        bulk_wait<kLag>();
+        done_3 = done_2, done_2 = done_1, done_1 = done_0, done_0 = pos;
+        if (remote_lane && ok && done_3 - published >= p.publish_every) {
+            fence_proxy_async_global();
+            st_release_sys(tail_ptr, done_3);
+            published = done_3;
+        }
+    }
+    bulk_wait<0>();
+    if (remote_lane && ok && *abort == 0 && pos > published) {
+        fence_proxy_async_global();
+        st_release_sys(tail_ptr, pos);
+    }
+}
+
+}  // namespace moe_ep::kernels

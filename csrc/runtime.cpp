@@ -1,0 +1,164 @@
+#include "runtime.hpp"
+
+#include <chrono>
+#include <cstring>
+#include <stdexcept>
+#include <thread>
+
+namespace moe_ep {
+
+namespace {
+
+void cuda_check(cudaError_t err, const char* what) {
+    if (err != cudaSuccess) throw std::runtime_error(std::string(what) + ": " + cudaGetErrorString(err));
+}
+
+const char* describe(int code) {
+    switch (code) {
+        case kernels::kErrBarrierTimeout: return "a peer rank never reached the barrier (it is not calling the same "
+                                                 "operation, or it died)";
+        case kernels::kErrSendTimeout: return "a receiving rank stopped freeing ring slots";
+        case kernels::kErrRecvTimeout: return "a sending rank stopped delivering tokens";
+        case kernels::kErrInternalTimeout: return "a pipeline stage never completed";
+        default: return "unknown error";
+    }
+}
+
+}  // namespace
+
+NvlRuntime::NvlRuntime(int rank, int num_ranks, int64_t num_nvl_bytes, double timeout_s)
+    : rank_(rank), num_ranks_(num_ranks), data_bytes_((num_nvl_bytes + 127) / 128 * 128), timeout_s_(timeout_s) {
+    if (num_ranks < 1 || num_ranks > kernels::kMaxRanks)
+        throw std::invalid_argument("group: the CUDA backend serves 1 to 8 ranks inside one node, got " +
+                                    std::to_string(num_ranks));
+    cuda_check(cudaGetDevice(&device_), "cudaGetDevice");
+    cuda_check(cudaMalloc(&base_, data_bytes_ + kernels::ctrl::kBytes), "cudaMalloc(NVLink buffer)");
+    cuda_check(cudaMemset(base_ + data_bytes_, 0, kernels::ctrl::kBytes), "cudaMemset");
+    cuda_check(cudaIpcGetMemHandle(&ipc_handle_, base_), "cudaIpcGetMemHandle");
+    void* flags = nullptr;
+    cuda_check(cudaHostAlloc(&flags, sizeof(kernels::HostFlags), cudaHostAllocMapped), "cudaHostAlloc");
+    flags_ = static_cast<kernels::HostFlags*>(flags);
+    std::memset(flags_, 0, sizeof(kernels::HostFlags));
+    flags_->recv_count = -1;
+    void* flags_dev = nullptr;
+    cuda_check(cudaHostGetDevicePointer(&flags_dev, flags, 0), "cudaHostGetDevicePointer");
+    cuda_check(cudaDeviceSynchronize(), "cudaDeviceSynchronize");
+    comm_.rank = rank;
+    comm_.num_ranks = num_ranks;
+    comm_.flags = static_cast<kernels::HostFlags*>(flags_dev);
+    comm_.timeout_ns = static_cast<uint64_t>(timeout_s * 1e9);
+}
+
+NvlRuntime::~NvlRuntime() {
+    try {
+        destroy();
+    } catch (...) {
+    }
+}
+
+std::string NvlRuntime::local_handle() const {
+    std::string record(kHandleBytes, '\0');
+    std::memcpy(record.data(), &ipc_handle_, sizeof(ipc_handle_));
+    std::memcpy(record.data() + sizeof(ipc_handle_), &data_bytes_, sizeof(data_bytes_));
+    return record;
+}
+
+void NvlRuntime::open_peers(const std::vector<std::string>& handles) {
+    if (static_cast<int>(handles.size()) != num_ranks_) throw std::invalid_argument("open_peers: one handle per rank");
+    for (int r = 0; r < num_ranks_; ++r) {
+        if (static_cast<int>(handles[r].size()) != kHandleBytes) throw std::invalid_argument("open_peers: bad handle");
+        int64_t peer_bytes = 0;
+        std::memcpy(&peer_bytes, handles[r].data() + sizeof(cudaIpcMemHandle_t), sizeof(peer_bytes));
+        if (peer_bytes != data_bytes_)
+            throw std::invalid_argument("num_nvl_bytes: ranks disagree (rank " + std::to_string(r) + " has " +
+                                        std::to_string(peer_bytes) + ", this rank " + std::to_string(data_bytes_) +
+                                        ")");
+    }
+    for (int r = 0; r < num_ranks_; ++r) {
+        if (r == rank_) {
+            peer_bases_[r] = base_;
+        } else {
+            cudaIpcMemHandle_t handle;
+            std::memcpy(&handle, handles[r].data(), sizeof(handle));
+            void* ptr = nullptr;
+            cuda_check(cudaIpcOpenMemHandle(&ptr, handle, cudaIpcMemLazyEnablePeerAccess), "cudaIpcOpenMemHandle");
+            peer_bases_[r] = static_cast<uint8_t*>(ptr);
+        }
+        comm_.peers.data[r] = peer_bases_[r];
+        comm_.peers.ctrl[r] = reinterpret_cast<int*>(peer_bases_[r] + data_bytes_);
+    }
+    connected_ = true;
+}
+
+void NvlRuntime::destroy() {
+    if (base_ == nullptr) return;
+    cudaDeviceSynchronize();
+    for (int r = 0; r < num_ranks_; ++r)
+        if (r != rank_ && peer_bases_[r] != nullptr) cudaIpcCloseMemHandle(peer_bases_[r]);
+    cudaFree(base_);
+    cudaFreeHost(flags_);
+    base_ = nullptr;
+    flags_ = nullptr;
+    connected_ = false;
+    broken_ = true;
+    broken_reason_ = "the buffer was destroyed";
+}
+
+void NvlRuntime::check_usable() const {
+    if (broken_) throw std::runtime_error("moe_ep CUDA backend unusable: " + broken_reason_);
+    if (!connected_) throw std::runtime_error("moe_ep CUDA backend: peers are not connected yet");
+    const int code = reinterpret_cast<volatile kernels::HostFlags*>(flags_)->error;
+    if (code != kernels::kOk && code != kernels::kErrWorstTokens)
+        throw std::runtime_error(std::string("moe_ep CUDA backend: an earlier kernel failed: ") + describe(code) +
+                                 "; the buffer is unusable, recreate the process group and Buffer");
+}
+
+void NvlRuntime::arm_recv_count() { reinterpret_cast<volatile kernels::HostFlags*>(flags_)->recv_count = -1; }
+
+int NvlRuntime::wait_recv_count() {
+    volatile kernels::HostFlags* flags = flags_;
+    const auto start = std::chrono::steady_clock::now();
+    const double limit_s = 2 * timeout_s_ + 10;
+    for (long spins = 0;; ++spins) {
+        // The kernel publishes the count last, also when it failed: errors are read after it.
+        const int count = flags->recv_count;
+        if (count >= 0) {
+            if (flags->error != kernels::kOk) fail_from_flags();
+            return count;
+        }
+        if ((spins & 1023) == 1023) {
+            const double waited = std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
+            if (waited > limit_s) {
+                broken_ = true;
+                broken_reason_ = "the notify kernel did not report within " + std::to_string(limit_s) + " s";
+                throw std::runtime_error("moe_ep CUDA backend: " + broken_reason_);
+            }
+            std::this_thread::yield();
+        }
+    }
+}
+
+void NvlRuntime::fail_from_flags() {
+    volatile kernels::HostFlags* flags = flags_;
+    const int code = flags->error, detail = flags->error_detail;
+    if (code == kernels::kErrWorstTokens) {
+        // Every rank saw the same counts and fails the same way; the buffer stays consistent.
+        flags->error = kernels::kOk;
+        flags->recv_count = -1;
+        throw std::invalid_argument("num_worst_tokens: too small, rank " + std::to_string(detail) +
+                                    " receives more rows than num_worst_tokens");
+    }
+    broken_ = true;
+    broken_reason_ = describe(code);
+    throw std::runtime_error(std::string("moe_ep CUDA backend: ") + describe(code) + " (kernel timeout after " +
+                             std::to_string(timeout_s_) + " s)");
+}
+
+std::vector<int> NvlRuntime::expert_counts(int num_local_experts) const {
+    volatile kernels::HostFlags* flags = flags_;
+    std::vector<int> counts(num_local_experts);
+    for (int e = 0; e < num_local_experts; ++e) counts[e] = flags->expert_counts[e];
+    return counts;
+}
+
+}  // namespace moe_ep

@@ -1,0 +1,59 @@
+// NVLink buffer shared by the ranks of one node: allocation, CUDA IPC mapping, host-mapped flags.
+// Free of torch: the binding layer wraps it.
+#pragma once
+
+#include <cstdint>
+#include <string>
+#include <vector>
+
+#include "kernels/api.cuh"
+
+namespace moe_ep {
+
+class NvlRuntime {
+   public:
+    // Bytes of the record `local_handle()` returns: a CUDA IPC handle, then the data size (int64).
+    static constexpr int kHandleBytes = sizeof(cudaIpcMemHandle_t) + sizeof(int64_t);
+
+    NvlRuntime(int rank, int num_ranks, int64_t num_nvl_bytes, double timeout_s);
+    ~NvlRuntime();
+    NvlRuntime(const NvlRuntime&) = delete;
+    NvlRuntime& operator=(const NvlRuntime&) = delete;
+
+    std::string local_handle() const;
+    // Maps every peer's buffer; `handles` holds one `local_handle()` record per rank, in rank order.
+    void open_peers(const std::vector<std::string>& handles);
+    void destroy();
+
+    int rank() const { return rank_; }
+    int num_ranks() const { return num_ranks_; }
+    int device() const { return device_; }
+    int64_t data_bytes() const { return data_bytes_; }
+    const kernels::CommContext& comm() const { return comm_; }
+
+    // Throws if the buffer is unusable: destroyed, not yet connected, or a kernel reported an error.
+    void check_usable() const;
+    // Waits (host side, with a timeout) until the notify kernel published the received row count.
+    int wait_recv_count();
+    // Received slots per local expert, as the notify kernel left them.
+    std::vector<int> expert_counts(int num_local_experts) const;
+    // Resets the host flags before a notify kernel runs.
+    void arm_recv_count();
+
+   private:
+    [[noreturn]] void fail_from_flags();
+
+    int rank_, num_ranks_, device_ = -1;
+    int64_t data_bytes_;
+    double timeout_s_;
+    uint8_t* base_ = nullptr;
+    uint8_t* peer_bases_[kernels::kMaxRanks] = {};
+    cudaIpcMemHandle_t ipc_handle_{};
+    kernels::HostFlags* flags_ = nullptr;
+    kernels::CommContext comm_{};
+    bool connected_ = false;
+    bool broken_ = false;
+    std::string broken_reason_;
+};
+
+}  // namespace moe_ep

@@ -1,0 +1,183 @@
+"""CUDA backend: normal mode over NVLink with the `moe_ep._C` kernels (one node, 1 to 8 ranks).
+
+Every rank allocates one NVLink buffer and shares it through a CUDA IPC handle exchanged with a
+tensor all-gather; after that the kernels synchronize among themselves through that memory. Outputs
+are exactly those of the torch backend (docs/semantics.md). Kernels that wait on a peer give up after
+`MOE_EP_TIMEOUT_S` seconds (default 10): the call raises and the Buffer becomes unusable.
+"""
+
+from __future__ import annotations
+
+import functools
+import importlib.util
+import os
+from typing import Mapping, Optional
+
+import torch
+import torch.distributed as dist
+
+from ..config import Config
+from ..handles import DispatchHandle, LowLatencyHandle
+from ..routing import NUM_MAX_NVL_PEERS, DispatchLayout
+from .base import CommBackend, DispatchResult, LowLatencyDispatchResult, RecvHook
+
+_LOW_LATENCY = "low-latency mode: not built yet"
+_DEFAULT_TIMEOUT_S = 10.0
+
+
+@functools.cache
+def _ext():
+    """The compiled extension, imported on first use so that CPU installs never touch it."""
+    return importlib.import_module("moe_ep._C")
+
+
+def is_sm90_compiled() -> bool:
+    """Whether `moe_ep._C` holds kernels compiled for Hopper (sm_90)."""
+    return CudaBackend.is_available() and bool(_ext().is_sm90_compiled())
+
+
+def _all_gather_bytes(record: bytes, group: dist.ProcessGroup, num_ranks: int, device: torch.device) -> list[bytes]:
+    """Every rank's `record` (same length everywhere), gathered as a uint8 tensor collective."""
+    mine = torch.frombuffer(bytearray(record), dtype=torch.uint8).to(device)
+    table = torch.empty(num_ranks * mine.numel(), dtype=torch.uint8, device=device)
+    gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+    gather(table, mine, group=group)
+    rows = table.view(num_ranks, -1).cpu()
+    return [bytes(row.tolist()) for row in rows]
+
+
+class CudaBackend(CommBackend):
+    """Normal-mode dispatch/combine with NVLink kernels; low-latency mode is not built yet."""
+
+    name = "cuda"
+
+    def __init__(
+        self,
+        group: dist.ProcessGroup,
+        rank: int,
+        num_ranks: int,
+        num_nvl_bytes: int = 0,
+        num_rdma_bytes: int = 0,
+        low_latency_mode: bool = False,
+        explicitly_destroy: bool = False,
+    ) -> None:
+        super().__init__(group, rank, num_ranks)
+        if num_ranks > NUM_MAX_NVL_PEERS:
+            raise ValueError(f"group: the CUDA backend serves at most {NUM_MAX_NVL_PEERS} ranks (one node), "
+                             f"got {num_ranks}; use backend='torch'")
+        self.num_nvl_bytes = num_nvl_bytes
+        self.low_latency_mode = low_latency_mode
+        self.explicitly_destroy = explicitly_destroy
+        self.device = torch.device("cuda", torch.cuda.current_device())
+        timeout_s = float(os.environ.get("MOE_EP_TIMEOUT_S", _DEFAULT_TIMEOUT_S))
+        self._runtime = _ext().NvlRuntime(rank, num_ranks, num_nvl_bytes, timeout_s)
+        handles = _all_gather_bytes(self._runtime.local_handle(), group, num_ranks, self.device)
+        self._runtime.open_peers(handles)
+
+    @staticmethod
+    def is_available() -> bool:
+        """Whether the extension is importable and a CUDA device is visible."""
+        return torch.cuda.is_available() and importlib.util.find_spec("moe_ep._C") is not None
+
+    @staticmethod
+    def supports(tensor: torch.Tensor) -> bool:
+        return tensor.is_cuda
+
+    def agree(self, op: str, fields: Mapping[str, int], local_error: Optional[Exception], device: torch.device) -> None:
+        # No collective on the hot path: a rank that rejects its input raises here, its peers time out.
+        if local_error is not None:
+            raise local_error
+
+    # ------------------------------------------------------------------ normal mode
+
+    def get_dispatch_layout(self, topk_idx: torch.Tensor, num_experts: int) -> DispatchLayout:
+        per_rank, per_expert, in_rank = _ext().get_dispatch_layout(topk_idx, num_experts, self.num_ranks)
+        return DispatchLayout(per_rank, None, per_expert, in_rank)
+
+    def dispatch(
+        self,
+        x: torch.Tensor,
+        x_scales: Optional[torch.Tensor],
+        topk_idx: Optional[torch.Tensor],
+        topk_weights: Optional[torch.Tensor],
+        num_tokens_per_rank: torch.Tensor,
+        is_token_in_rank: torch.Tensor,
+        num_tokens_per_expert: torch.Tensor,
+        expert_alignment: int,
+        num_worst_tokens: int,
+        config: Config,
+    ) -> DispatchResult:
+        (recv_x, recv_scales, recv_topk_idx, recv_topk_weights, per_expert, rank_prefix, channel_prefix,
+         recv_channel_prefix, recv_src_idx, send_head) = _ext().dispatch(
+            self._runtime, x, x_scales, topk_idx, topk_weights, num_tokens_per_rank, is_token_in_rank,
+            num_tokens_per_expert, expert_alignment, num_worst_tokens, config.num_sms,
+            config.num_max_nvl_chunked_send_tokens, config.num_max_nvl_chunked_recv_tokens)
+        handle = DispatchHandle(rank_prefix, channel_prefix, recv_channel_prefix, recv_src_idx, is_token_in_rank,
+                                send_head)
+        return DispatchResult(recv_x, recv_scales, recv_topk_idx, recv_topk_weights, list(per_expert), handle)
+
+    def cached_dispatch(
+        self, x: torch.Tensor, x_scales: Optional[torch.Tensor], handle: DispatchHandle, config: Config
+    ) -> tuple[torch.Tensor, Optional[torch.Tensor]]:
+        recv_x, recv_scales = _ext().cached_dispatch(
+            self._runtime, x, x_scales, handle.rank_prefix_matrix, handle.channel_prefix_matrix,
+            handle.recv_channel_prefix_matrix, handle.is_token_in_rank, handle.recv_src_idx.numel(),
+            config.num_max_nvl_chunked_send_tokens, config.num_max_nvl_chunked_recv_tokens)
+        return recv_x, recv_scales
+
+    def combine(
+        self,
+        x: torch.Tensor,
+        handle: DispatchHandle,
+        topk_weights: Optional[torch.Tensor],
+        bias_0: Optional[torch.Tensor],
+        bias_1: Optional[torch.Tensor],
+        config: Config,
+    ) -> tuple[torch.Tensor, Optional[torch.Tensor]]:
+        combined, combined_weights = _ext().combine(
+            self._runtime, x, topk_weights, bias_0, bias_1, handle.rank_prefix_matrix, handle.channel_prefix_matrix,
+            handle.recv_channel_prefix_matrix, handle.is_token_in_rank, handle.send_head,
+            config.num_max_nvl_chunked_send_tokens, config.num_max_nvl_chunked_recv_tokens)
+        return combined, combined_weights
+
+    # ------------------------------------------------------------------ low-latency mode (issue 4)
+
+    def low_latency_dispatch(
+        self,
+        x: torch.Tensor,
+        topk_idx: torch.Tensor,
+        num_max_dispatch_tokens_per_rank: int,
+        num_experts: int,
+        cumulative_local_expert_recv_stats: Optional[torch.Tensor],
+        dispatch_wait_recv_cost_stats: Optional[torch.Tensor],
+        use_fp8: bool,
+        round_scale: bool,
+        use_ue8m0: bool,
+        return_recv_hook: bool,
+    ) -> tuple[LowLatencyDispatchResult, Optional[RecvHook]]:
+        raise NotImplementedError(_LOW_LATENCY)
+
+    def low_latency_combine(
+        self,
+        x: torch.Tensor,
+        topk_idx: torch.Tensor,
+        topk_weights: torch.Tensor,
+        handle: LowLatencyHandle,
+        zero_copy: bool,
+        return_recv_hook: bool,
+        out: Optional[torch.Tensor],
+        combine_wait_recv_cost_stats: Optional[torch.Tensor],
+    ) -> tuple[torch.Tensor, Optional[RecvHook]]:
+        raise NotImplementedError(_LOW_LATENCY)
+
+    def get_next_low_latency_combine_buffer(self, handle: LowLatencyHandle) -> torch.Tensor:
+        raise NotImplementedError(_LOW_LATENCY)
+
+    def clean_low_latency_buffer(self, num_max_dispatch_tokens_per_rank: int, hidden: int, num_experts: int) -> None:
+        raise NotImplementedError(_LOW_LATENCY)
+
+    def destroy(self) -> None:
+        """Wait for this rank's kernels and every peer, then unmap and free the NVLink buffer."""
+        torch.cuda.synchronize(self.device)
+        dist.barrier(group=self.group, device_ids=[self.device.index])
+        self._runtime.destroy()

@@ -1,0 +1,248 @@
+"""The CUDA backend against the torch backend (the oracle) on the same inputs, over NCCL at 2-4 ranks.
+
+Every output must be bitwise identical: dispatch data, scales, top-k ids and weights, expert counts,
+every handle tensor; combine (same float32 summation order); cached dispatch; padding.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import importlib.util
+import os
+from dataclasses import asdict, dataclass
+from typing import Optional
+
+import pytest
+import torch
+import torch.distributed as dist
+
+import moe_ep
+from moe_ep.ops import fp8
+from reference import expert_output, make_inputs
+
+pytestmark = pytest.mark.skipif(
+    not (torch.cuda.is_available() and importlib.util.find_spec("moe_ep._C") is not None),
+    reason="needs a CUDA device and the built moe_ep._C extension")
+
+WORLDS = [2, 3, 4]
+NVL_BYTES = 1 << 30
+_BUFFERS: dict[str, moe_ep.Buffer] = {}
+
+
+@dataclass(frozen=True)
+class Case:
+    name: str
+    tokens: tuple[int, ...] = (300, 257, 128, 411)
+    hidden: int = 7168
+    experts_per_rank: int = 8
+    topk: int = 4
+    dtype: str = "bfloat16"
+    routing: str = "random"
+    alignment: int = 1
+    num_worst_extra: int = -1  # >= 0: num_worst_tokens = all tokens of the group + this
+    use_fp8: bool = False
+    strided_scales: bool = False
+    with_weights: bool = True
+    with_bias: int = 2
+    config: tuple[int, int, int] = (8, 6, 256)  # num_sms, send chunk, ring slots
+
+
+CASES = [
+    Case("bf16_h7168", alignment=4),
+    Case("bf16_h2056_odd", hidden=2056, with_bias=1),
+    Case("fp32_h36", hidden=36, dtype="float32", config=(4, 3, 32)),
+    Case("fp16_h8192", hidden=8192, dtype="float16", with_bias=0),
+    Case("fp64_h64", hidden=64, dtype="float64", topk=3),
+    Case("bf16_h128_many_sms", hidden=128, config=(24, 4, 64)),
+    Case("fp8_h512", hidden=512, use_fp8=True),
+    Case("fp8_h7168_strided_scales", use_fp8=True, strided_scales=True),
+    Case("skewed_all_to_rank0", routing="skewed", hidden=1024),
+    Case("zero_tokens_and_unused_rank", tokens=(23, 0, 31, 0), routing="one_rank_empty", hidden=384),
+    Case("topk_32_no_weights", experts_per_rank=16, topk=32, hidden=256, with_weights=False),
+    Case("num_worst_tokens", num_worst_extra=7, alignment=2),
+    Case("tiny_ring_wraps", tokens=(1500, 1300, 1700, 900), hidden=256, config=(4, 2, 8)),
+]
+
+
+def _buffers(group: dist.ProcessGroup) -> tuple[moe_ep.Buffer, moe_ep.Buffer]:
+    if "cuda" not in _BUFFERS:
+        _BUFFERS["torch"] = moe_ep.Buffer(group, backend="torch")
+        _BUFFERS["cuda"] = moe_ep.Buffer(group, NVL_BYTES, backend="cuda")
+    return _BUFFERS["torch"], _BUFFERS["cuda"]
+
+
+def _same(a: object, b: object, what: str) -> None:
+    if isinstance(a, torch.Tensor) or isinstance(b, torch.Tensor):
+        assert isinstance(a, torch.Tensor) and isinstance(b, torch.Tensor), f"{what}: {type(a)} vs {type(b)}"
+        assert a.shape == b.shape and a.dtype == b.dtype, f"{what}: {a.shape}/{a.dtype} vs {b.shape}/{b.dtype}"
+        if a.numel():
+            assert torch.equal(a.contiguous().view(torch.uint8), b.contiguous().view(torch.uint8)), f"{what} differs"
+    elif isinstance(a, (tuple, list)):
+        assert isinstance(b, (tuple, list)) and len(a) == len(b), f"{what}: {a!r} vs {b!r}"
+        for i, (x, y) in enumerate(zip(a, b)):
+            _same(x, y, f"{what}[{i}]")
+    else:
+        assert a == b, f"{what}: {a!r} vs {b!r}"
+
+
+def _inputs(c: Case, rank: int, world: int, seed: int) -> tuple[object, torch.Tensor, torch.Tensor, int]:
+    num_experts = c.experts_per_rank * world
+    inputs = make_inputs(seed, world, list(c.tokens[:world]), c.hidden, num_experts, c.topk,
+                         dtype=getattr(torch, c.dtype), routing=c.routing)
+    mine = inputs[rank].to("cuda")
+    x: object = mine.x
+    if c.use_fp8:
+        data, scales = fp8.per_token_cast_to_fp8(mine.x.float())
+        if c.strided_scales:
+            wide = torch.zeros(scales.size(0), scales.size(1) + 5, device=scales.device)
+            wide[:, :scales.size(1)] = scales
+            scales = wide[:, :scales.size(1)]
+        x = (data, scales)
+    return x, mine.topk_idx, mine.topk_weights, num_experts
+
+
+def _round_trip(buffer: moe_ep.Buffer, c: Case, x: object, topk_idx: torch.Tensor, topk_weights: torch.Tensor,
+                num_experts: int, num_worst: int, bias: Optional[tuple[torch.Tensor, ...]], rank: int,
+                async_mode: bool = False) -> dict[str, object]:
+    config = moe_ep.Config(c.config[0], c.config[1], c.config[2], 6, 128)
+    out: dict[str, object] = {}
+    out["layout"] = buffer.get_dispatch_layout(topk_idx, num_experts)[:4]
+    per_rank, _, per_expert, in_rank = out["layout"]
+    extra = {}
+    if async_mode:
+        extra = dict(previous_event=moe_ep.Buffer.capture(), async_finish=True, allocate_on_comm_stream=True)
+    recv = buffer.dispatch(x, num_tokens_per_rank=per_rank, is_token_in_rank=in_rank,
+                           num_tokens_per_expert=per_expert, topk_idx=topk_idx,
+                           topk_weights=topk_weights if c.with_weights else None, expert_alignment=c.alignment,
+                           num_worst_tokens=num_worst, config=config, **extra)
+    recv[-1].current_stream_wait()
+    out["dispatch"] = recv[:5]
+    handle = recv[4]
+    cached = buffer.dispatch(x, handle=handle, config=config)
+    out["cached"] = cached[0]
+    recv_x = recv[0][0] if c.use_fp8 else recv[0]
+    if not c.use_fp8:
+        y = expert_output(recv_x, rank)
+        combined = buffer.combine(y, handle, topk_weights=recv[2], bias=bias, config=config, **extra)
+        combined[-1].current_stream_wait()
+        out["combine"] = combined[:2]
+    torch.cuda.synchronize()
+    return out
+
+
+def _compare_backends(rank: int, world: int, case: dict, seed: int = 1234, async_mode: bool = False) -> int:
+    c = Case(**case)
+    torch_buf, cuda_buf = _buffers(dist.group.WORLD)
+    x, topk_idx, topk_weights, num_experts = _inputs(c, rank, world, seed + world)
+    num_worst = sum(c.tokens[:world]) + c.num_worst_extra if c.num_worst_extra >= 0 else 0
+    gen = torch.Generator().manual_seed(99 + rank)
+    shape = (c.tokens[rank], c.hidden)
+    bias = tuple(torch.randn(shape, generator=gen).to(getattr(torch, c.dtype)).cuda() for _ in range(c.with_bias))
+    bias_arg = None if not bias else (bias[0] if len(bias) == 1 else bias)
+    expected = _round_trip(torch_buf, c, x, topk_idx, topk_weights, num_experts, num_worst, bias_arg, rank)
+    got = _round_trip(cuda_buf, c, x, topk_idx, topk_weights, num_experts, num_worst, bias_arg, rank, async_mode)
+    _same(got["layout"], expected["layout"], "layout")
+    _same(got["dispatch"], expected["dispatch"], "dispatch")
+    _same(got["cached"], got["dispatch"][0], "cached dispatch")
+    if "combine" in expected:
+        _same(got["combine"], expected["combine"], "combine")
+    recv_x = got["dispatch"][0]
+    return (recv_x[0] if isinstance(recv_x, tuple) else recv_x).size(0)
+
+
+def _run_cases(rank: int, world: int, cases: list[dict]) -> dict[str, str]:
+    """Every case in one task (one process group per world size); failures are collected per case."""
+    failures = {}
+    for case in cases:
+        try:
+            _compare_backends(rank, world, case)
+        except Exception as exc:  # report and go on with the next case
+            failures[case["name"]] = f"{type(exc).__name__}: {exc}"
+    return failures
+
+
+@pytest.mark.parametrize("world", WORLDS)
+def test_cuda_matches_torch_backend(nccl_pool, world: int) -> None:
+    per_rank = nccl_pool(world).run(_run_cases, [asdict(c) for c in CASES], timeout=600)
+    failed = {f"rank {r} {name}": why for r, failures in enumerate(per_rank) for name, why in failures.items()}
+    assert not failed, "\n".join(f"{k}: {v}" for k, v in failed.items())
+
+
+def test_async_previous_event_mode(nccl_pool) -> None:
+    world = min(4, torch.cuda.device_count())
+    nccl_pool(world).run(_compare_backends, asdict(Case("async", hidden=1024)), async_mode=True)
+
+
+def _hashes(rank: int, world: int, repeats: int) -> list[str]:
+    c = Case("pressure", tokens=(1024, 1024, 1024, 1024), hidden=4096, config=(24, 6, 128))
+    _, cuda_buf = _buffers(dist.group.WORLD)
+    digests = []
+    for _ in range(repeats):
+        x, topk_idx, topk_weights, num_experts = _inputs(c, rank, world, 777)
+        out = _round_trip(cuda_buf, c, x, topk_idx, topk_weights, num_experts, 0, None, rank)
+        h = hashlib.sha256()
+        for tensor in _flatten(out):
+            h.update(tensor.detach().contiguous().view(torch.uint8).cpu().numpy().tobytes())
+        digests.append(h.hexdigest())
+    return digests
+
+
+def _flatten(value: object) -> list[torch.Tensor]:
+    if isinstance(value, torch.Tensor):
+        return [value]
+    if isinstance(value, dict):
+        value = list(value.values())
+    if isinstance(value, (tuple, list)):
+        return [t for v in value for t in _flatten(v)]
+    return []
+
+
+def test_pressure_same_seed_same_hash(nccl_pool) -> None:
+    for digests in nccl_pool(4 if torch.cuda.device_count() >= 4 else 2).run(_hashes, 20):
+        assert len(set(digests)) == 1, "outputs differ between identical runs"
+
+
+def _worst_tokens_overflow(rank: int, world: int) -> str:
+    c = Case("overflow", hidden=256)
+    _, cuda_buf = _buffers(dist.group.WORLD)
+    x, topk_idx, topk_weights, num_experts = _inputs(c, rank, world, 5)
+    try:
+        _round_trip(cuda_buf, c, x, topk_idx, topk_weights, num_experts, 1, None, rank)
+    except ValueError as exc:
+        message = str(exc)
+    else:
+        raise AssertionError("num_worst_tokens=1 did not raise")
+    # The buffer stays usable after the error that every rank saw.
+    _compare_backends(rank, world, asdict(Case("after_overflow", hidden=256)))
+    return message
+
+
+def test_num_worst_tokens_overflow_raises_everywhere(nccl_pool) -> None:
+    for message in nccl_pool(2).run(_worst_tokens_overflow):
+        assert "num_worst_tokens" in message
+
+
+def _absent_peer(rank: int, world: int) -> str:
+    os.environ["MOE_EP_TIMEOUT_S"] = "2"
+    buffer = moe_ep.Buffer(dist.group.WORLD, 1 << 24, backend="cuda", explicitly_destroy=True)
+    del os.environ["MOE_EP_TIMEOUT_S"]
+    outcome = "skipped"
+    if rank == 0:
+        topk_idx = torch.zeros(8, 2, dtype=torch.int64, device="cuda")
+        topk_idx[:, 1] = 1
+        per_rank, _, per_expert, in_rank, _ = buffer.get_dispatch_layout(topk_idx, 2 * world)
+        try:
+            buffer.dispatch(torch.ones(8, 128, dtype=torch.bfloat16, device="cuda"), num_tokens_per_rank=per_rank,
+                            is_token_in_rank=in_rank, num_tokens_per_expert=per_expert, topk_idx=topk_idx,
+                            config=moe_ep.Config(4, 2, 16, 6, 128))
+        except RuntimeError as exc:
+            outcome = str(exc)
+        else:
+            outcome = "no error"
+    dist.barrier()
+    return outcome
+
+
+def test_absent_peer_times_out_and_raises(nccl_pool) -> None:
+    outcomes = nccl_pool(2).run(_absent_peer, timeout=120)
+    assert "peer rank never reached the barrier" in outcomes[0], outcomes[0]
