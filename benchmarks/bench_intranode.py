@@ -31,6 +31,9 @@ import moe_ep
 from moe_ep.ops import fp8
 
 NVL_BYTES = 2 << 30
+# DeepEP does no value checks of topk_idx; time the communication, not the front end's input checks.
+os.environ.setdefault("MOE_EP_CHECK_VALUES", "0")
+PIPELINE_LAGS = (1, 3, 0, 12)  # bulk stores in flight per storer thread; 0 = the default (half the stages)
 
 
 def _free_port() -> int:
@@ -164,6 +167,15 @@ def _worker(rank: int, world: int, port: int, args: argparse.Namespace, results)
                                     6, 128)
     combine_config = moe_ep.Config(best_combine["num_sms"], best_combine["send_chunk"], best_combine["ring_slots"],
                                    6, 128)
+
+    variants = []
+    for lag in PIPELINE_LAGS:
+        os.environ["MOE_EP_PIPELINE_LAG"] = str(lag)
+        variants.append({"pipeline_lag": lag, **main.measure(dispatch_config, combine_config)})
+        if rank == 0:
+            print(f"[world {world}] pipeline lag {lag}: {variants[-1]}", flush=True)
+    os.environ.pop("MOE_EP_PIPELINE_LAG")
+    report["pipeline_lag_variants"] = variants
 
     token_sweep = []
     for tokens in args.token_sweep:

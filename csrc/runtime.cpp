@@ -1,6 +1,7 @@
 #include "runtime.hpp"
 
 #include <chrono>
+#include <cstdlib>
 #include <cstring>
 #include <stdexcept>
 #include <thread>
@@ -102,6 +103,13 @@ void NvlRuntime::destroy() {
     connected_ = false;
     broken_ = true;
     broken_reason_ = "the buffer was destroyed";
+}
+
+kernels::CommContext NvlRuntime::comm() const {
+    kernels::CommContext ctx = comm_;
+    const char* lag = std::getenv("MOE_EP_PIPELINE_LAG");
+    ctx.pipeline_lag = lag != nullptr ? std::atoi(lag) : 0;
+    return ctx;
 }
 
 void NvlRuntime::check_usable() const {

@@ -29,7 +29,8 @@ class NvlRuntime {
     int num_ranks() const { return num_ranks_; }
     int device() const { return device_; }
     int64_t data_bytes() const { return data_bytes_; }
-    const kernels::CommContext& comm() const { return comm_; }
+    // Launch context; MOE_EP_PIPELINE_LAG (benchmarks) overrides the bulk-store pipelining depth.
+    kernels::CommContext comm() const;
 
     // Throws if the buffer is unusable: destroyed, not yet connected, or a kernel reported an error.
     void check_usable() const;

@@ -58,6 +58,7 @@ struct CommContext {
     int num_ranks;
     HostFlags* flags;  // device pointer of the mapped host flags
     uint64_t timeout_ns;
+    int pipeline_lag;  // bulk stores left in flight per storer thread; 0 = half the stages
 };
 
 // ---------------------------------------------------------------------------------------------

@@ -160,9 +160,11 @@ MOE_EP_DEVICE void reduce_channel(const CombineArgs& a, int channel, int slot_by
     int tail_seen = 0, published = 0;
     const int units = a.row_bytes / 16;
 
-    for (int chunk = begin, index = 0; chunk < end; chunk += kReduceChunk, ++index) {
+    // A chunk never needs more ring positions than a ring holds: its heads are only published after it.
+    const int chunk_tokens = min(kReduceChunk, a.ring_slots);
+    for (int chunk = begin, index = 0; chunk < end; chunk += chunk_tokens, ++index) {
         const int parity = index & 1;
-        for (int t = chunk + warp; t < min(chunk + kReduceChunk, end); t += kReduceWarps) {
+        for (int t = chunk + warp; t < min(chunk + chunk_tokens, end); t += kReduceWarps) {
             if (*abort) break;
             const uint32_t mask =
                 __ballot_sync(kFullMask, lane < R && reinterpret_cast<const uint8_t*>(a.is_token_in_rank)[
@@ -205,17 +207,18 @@ MOE_EP_DEVICE void reduce_channel(const CombineArgs& a, int channel, int slot_by
                         if (u0 + 32 * i < units)
                             P::add(acc[i], load_row_unit(static_cast<const uint8_t*>(bias) + out_row, u0 + 32 * i, false));
                 }
+                // Every contribution's loads are issued before the first add: one memory latency per step.
+                int4 v[kMaxRanks][kUnroll];
 #pragma unroll
-                for (int r = 0; r < kMaxRanks; ++r) {
-                    if (!((mask >> r) & 1)) continue;
-                    int4 v[kUnroll];
-#pragma unroll
-                    for (int i = 0; i < kUnroll; ++i)
-                        if (u0 + 32 * i < units) v[i] = load_row_unit(rows[r], u0 + 32 * i, r != me);
+                for (int r = 0; r < kMaxRanks; ++r)
 #pragma unroll
                     for (int i = 0; i < kUnroll; ++i)
-                        if (u0 + 32 * i < units) P::add(acc[i], v[i]);
-                }
+                        if (((mask >> r) & 1) && u0 + 32 * i < units) v[r][i] = load_row_unit(rows[r], u0 + 32 * i, r != me);
+#pragma unroll
+                for (int r = 0; r < kMaxRanks; ++r)
+#pragma unroll
+                    for (int i = 0; i < kUnroll; ++i)
+                        if (((mask >> r) & 1) && u0 + 32 * i < units) P::add(acc[i], v[r][i]);
 #pragma unroll
                 for (int i = 0; i < kUnroll; ++i)
                     if (u0 + 32 * i < units)

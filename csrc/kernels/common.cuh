@@ -116,6 +116,32 @@ MOE_EP_DEVICE void bulk_wait_read() {
     asm volatile("cp.async.bulk.wait_group.read %0;" ::"n"(N) : "memory");
 }
 
+constexpr int kMaxBulkLag = 16;
+
+// bulk_wait / bulk_wait_read with a run-time count (the instruction takes an immediate), clamped to
+// [0, kMaxBulkLag].
+template <bool kRead>
+MOE_EP_DEVICE void bulk_wait_dyn(int n) {
+    switch (n <= 0 ? 0 : n >= kMaxBulkLag ? kMaxBulkLag : n) {
+#define MOE_EP_BULK_CASE(N)                       \
+    case N:                                       \
+        if constexpr (kRead) bulk_wait_read<N>(); \
+        else bulk_wait<N>();                      \
+        break;
+        MOE_EP_BULK_CASE(0) MOE_EP_BULK_CASE(1) MOE_EP_BULK_CASE(2) MOE_EP_BULK_CASE(3) MOE_EP_BULK_CASE(4)
+        MOE_EP_BULK_CASE(5) MOE_EP_BULK_CASE(6) MOE_EP_BULK_CASE(7) MOE_EP_BULK_CASE(8) MOE_EP_BULK_CASE(9)
+        MOE_EP_BULK_CASE(10) MOE_EP_BULK_CASE(11) MOE_EP_BULK_CASE(12) MOE_EP_BULK_CASE(13)
+        MOE_EP_BULK_CASE(14) MOE_EP_BULK_CASE(15) MOE_EP_BULK_CASE(16)
+#undef MOE_EP_BULK_CASE
+    }
+}
+
+// Stores whose shared-memory source may still be unread when the storer moves on: half the stages,
+// so that the loader keeps the other half to run ahead.
+MOE_EP_DEVICE int read_lag(int num_stages, int requested) {
+    return min(requested > 0 ? requested : (num_stages - 1) / 2, min(num_stages - 1, kMaxBulkLag - 4));
+}
+
 // ------------------------------------------------------------------ errors and timeouts
 
 MOE_EP_DEVICE void report_error(HostFlags* flags, int code, int detail = 0) {

@@ -170,6 +170,7 @@ MOE_EP_DEVICE void run_receiver(const DispatchArgs& a, const SlotLayout& layout,
         }
     } else if (warp == 1) {
         // Storer: stage -> recv_x row (bulk) and extras (lanes); frees ring slots by publishing heads.
+        const int lag_read = read_lag(ring.num_stages, comm.pipeline_lag);
         int done = 0, published = 0;
         int* head_ptr = lane < R ? comm.peers.ctrl[lane] + ctrl::kHead + channel * kMaxRanks + me : nullptr;
         for (int seq = 0; seq < total; ++seq) {
@@ -191,9 +192,9 @@ MOE_EP_DEVICE void run_receiver(const DispatchArgs& a, const SlotLayout& layout,
                     published = done;
                 }
             }
-            if (lane == 0) bulk_wait_read<1>();
+            if (lane == 0) bulk_wait_dyn<true>(lag_read);
             __syncwarp();
-            if (lane == 0 && seq > 0) mbar_arrive(ring.empty + (seq - 1) % ring.num_stages);
+            if (lane == 0 && seq >= lag_read) mbar_arrive(ring.empty + (seq - lag_read) % ring.num_stages);
         }
         if (lane == 0) bulk_wait<0>();
     }

@@ -101,13 +101,18 @@ struct StorerParams {
     int publish_every;
 };
 
-// Storer warp: lane d < R serves destination d. Sequence of stages ends with a token < 0.
+// Storer warp: lane d < R serves destination d. Sequence of stages ends with a token < 0. Every lane
+// commits one bulk group per stage, so group counts line up with stage sequence numbers: a stage is
+// released once the group `read_lag` stages back has read it, and a tail is published for the stores
+// `done_lag` stages back once they completed.
 template <typename LocalSink>
 MOE_EP_DEVICE void run_storer(const StageRing& ring, const StorerParams& p, const CommContext& comm,
                               const LocalSink& local, volatile int* abort) {
-    constexpr int kLag = 3;  // bulk groups left in flight before tails are published
+    __shared__ int s_pos_after[kMaxBulkLag + 1][kMaxRanks];  // pos after stage seq, by seq % (lag + 1)
     const int lane = threadIdx.x & 31;
     const int me = comm.rank;
+    const int lag_read = read_lag(ring.num_stages, comm.pipeline_lag);
+    const int lag_done = lag_read + 4;
     const bool remote_lane = lane < comm.num_ranks && lane != me;
     uint8_t* ring_base = nullptr;
     int* tail_ptr = nullptr;
@@ -117,10 +122,9 @@ MOE_EP_DEVICE void run_storer(const StageRing& ring, const StorerParams& p, cons
         tail_ptr = comm.peers.ctrl[lane] + ctrl::kTail + p.channel * kMaxRanks + me;
     }
     int pos = 0, head = 0, published = 0;
-    // pos after stage seq, seq-1, seq-2, seq-3: after bulk_wait<kLag>() the writes up to done_3 are complete.
-    int done_0 = 0, done_1 = 0, done_2 = 0, done_3 = 0;
     bool ok = true;
-    for (int seq = 0;; ++seq) {
+    int seq = 0;
+    for (;; ++seq) {
         const int s = seq % ring.num_stages;
         ok = ok && mbar_wait(ring.full + s, (seq / ring.num_stages) & 1, comm, abort);
         if (!__all_sync(kFullMask, ok)) break;
@@ -148,19 +152,22 @@ MOE_EP_DEVICE void run_storer(const StageRing& ring, const StorerParams& p, cons
             ++pos;
         }
         bulk_commit();
+        if (lane < kMaxRanks) s_pos_after[seq % (kMaxBulkLag + 1)][lane] = pos;
         __syncwarp();
         if constexpr (LocalSink::kEnabled) {
             if ((mask >> me) & 1) local.extras(stage, token, __shfl_sync(kFullMask, my_pos, me), lane);
         }
-        bulk_wait_read<1>();
+        bulk_wait_dyn<true>(lag_read);
         __syncwarp();
-        if (lane == 0 && seq > 0) mbar_arrive(ring.empty + (seq - 1) % ring.num_stages);
-        bulk_wait<kLag>();
-        done_3 = done_2, done_2 = done_1, done_1 = done_0, done_0 = pos;
-        if (remote_lane && ok && done_3 - published >= p.publish_every) {
-            fence_proxy_async_global();
-            st_release_sys(tail_ptr, done_3);
-            published = done_3;
+        if (lane == 0 && seq >= lag_read) mbar_arrive(ring.empty + (seq - lag_read) % ring.num_stages);
+        if (remote_lane && ok && seq >= lag_done) {
+            const int done = s_pos_after[(seq - lag_done) % (kMaxBulkLag + 1)][lane];
+            if (done - published >= p.publish_every) {
+                bulk_wait_dyn<false>(lag_done);
+                fence_proxy_async_global();
+                st_release_sys(tail_ptr, done);
+                published = done;
+            }
         }
     }
     bulk_wait<0>();
