@@ -1,8 +1,10 @@
 """Build script: pure Python on CPU machines, plus the `moe_ep._C` CUDA extension where it can be built.
 
 `MOE_EP_BUILD_CUDA=1` forces the extension (failing loudly if it cannot be built), `=0` skips it;
-unset, it is built when the installed torch has CUDA and `nvcc` is found. NVSHMEM parts (low-latency
-mode) are compiled in when `NVSHMEM_DIR` or an `nvidia-nvshmem-cu12/cu13` wheel is found.
+unset, it is built when the installed torch has CUDA and `nvcc` is found. Low-latency-mode sources
+(names containing `low_latency` or `nvshmem`) are built as one part, with `MOE_EP_WITH_LOW_LATENCY`
+defined, unless `MOE_EP_BUILD_LOW_LATENCY=0`; NVSHMEM is used when `NVSHMEM_DIR` or an
+`nvidia-nvshmem-cu12/cu13` wheel is found.
 CUDA builds need the installed torch: `pip install --no-build-isolation -e .`.
 """
 
@@ -35,9 +37,24 @@ def _want_cuda() -> bool:
     return has_cuda and bool(_sources())
 
 
+def _all_sources() -> list[str]:
+    return sorted(glob.glob("csrc/*.cpp")) + sorted(glob.glob("csrc/*.cu")) + sorted(glob.glob("csrc/kernels/*.cu"))
+
+
+def _is_low_latency(path: str) -> bool:
+    """Low-latency-mode files (their own kernels, binding and NVSHMEM runtime) are built as one part."""
+    return any(marker in Path(path).name for marker in ("low_latency", "nvshmem"))
+
+
 def _sources() -> list[str]:
-    files = sorted(glob.glob("csrc/*.cpp")) + sorted(glob.glob("csrc/*.cu")) + sorted(glob.glob("csrc/kernels/*.cu"))
-    return [f for f in files if "nvshmem" not in Path(f).name]
+    return [f for f in _all_sources() if not _is_low_latency(f)]
+
+
+def _low_latency_sources() -> list[str]:
+    """Empty when there are none or `MOE_EP_BUILD_LOW_LATENCY=0` leaves them out."""
+    if os.environ.get("MOE_EP_BUILD_LOW_LATENCY", "1") == "0":
+        return []
+    return [f for f in _all_sources() if _is_low_latency(f)]
 
 
 def _nvshmem_dir() -> str | None:
@@ -63,9 +80,13 @@ def _cuda_extension():
     library_dirs: list[str] = []
     libraries: list[str] = []
     extra_link: list[str] = []
+    low_latency = _low_latency_sources()
+    if low_latency:
+        sources += low_latency
+        nvcc_flags.append("-DMOE_EP_WITH_LOW_LATENCY")
+        cxx_flags.append("-DMOE_EP_WITH_LOW_LATENCY")
     nvshmem = _nvshmem_dir()
-    if nvshmem and glob.glob("csrc/**/*nvshmem*", recursive=True):
-        sources += sorted(glob.glob("csrc/*nvshmem*.c*")) + sorted(glob.glob("csrc/kernels/*nvshmem*.cu"))
+    if nvshmem and low_latency:
         include_dirs.append(os.path.join(nvshmem, "include"))
         library_dirs.append(os.path.join(nvshmem, "lib"))
         nvcc_flags += ["-rdc=true", "-DMOE_EP_WITH_NVSHMEM"]

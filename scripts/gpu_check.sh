@@ -11,6 +11,7 @@ mkdir -p "$OUT"
 PARTS=${1:-build,test,bench}
 shift || true
 PY=${PYTHON:-python3}
+# MOE_EP_BUILD_LOW_LATENCY=0 leaves the low-latency part out of the build (setup.py).
 has() { [[ ",$PARTS," == *",$1,"* ]]; }
 summary=()
 
