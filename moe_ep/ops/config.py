@@ -80,15 +80,11 @@ def default_combine_config(num_ranks: int, num_sms: int) -> Config:
 
 
 def low_latency_buffer_bytes(num_max_dispatch_tokens_per_rank: int, hidden: int, num_ranks: int, num_experts: int) -> int:
-    """Symmetric buffer bytes for low-latency mode: two (even/odd) halves, each with a send area, a
-    receive area of one slot per (local expert, source rank, token) and per-expert signals. A
-    dispatch message is a 16-byte header, the BF16 payload and per-128 scales; combine sends BF16."""
-    num_local = max(1, num_experts // num_ranks)
-    slots = num_local * num_ranks * num_max_dispatch_tokens_per_rank
-    dispatch_msg = 16 + hidden * 2 + hidden // FP8_BLOCK * 4
-    combine_msg = hidden * 2
-    send = max(num_max_dispatch_tokens_per_rank * dispatch_msg, slots * combine_msg)
-    recv = slots * max(dispatch_msg, combine_msg)
-    signals = num_experts * 4 * 2
-    half = _align(send) + _align(recv) + _align(signals)
-    return _align(2 * half)
+    """Symmetric buffer bytes for low-latency mode (the layout of csrc/kernels/low_latency.cu
+    `make_layout`): two (even/odd) halves, each with a u64 count per (local expert, source rank), a u64
+    signal and a 2*hidden-byte row per (expert, token) slot, then one send region of as many rows (the
+    zero-copy combine buffer). A dispatch row holds BF16 or FP8 data with its scales; combine rows are BF16."""
+    rows = num_experts * num_max_dispatch_tokens_per_rank
+    row_bytes = 2 * hidden
+    half = _align(8 * num_experts) + _align(8 * rows) + _align(rows * row_bytes)
+    return 2 * half + _align(rows * row_bytes)

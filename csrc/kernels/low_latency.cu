@@ -1,0 +1,621 @@
+// Low-latency dispatch and combine: one message per (token, expert), double-buffered symmetric memory,
+// tagged signals (see low_latency.cuh for the protocol).
+//
+// Work is split among warps, numbered across blocks first (warp w of block b is global warp
+// w * grid + b) so that consecutive work items land on different SMs.
+//  * Dispatch send: item e < E counts the messages for expert e and signals the count to its owner;
+//    item E + (t * k + j) casts token t and writes it to expert topk[t, j] on its owner, at the
+//    position of t among this rank's tokens for that expert (so rows arrive in token order).
+//  * Dispatch receive: (local expert, source) pairs, several warps per pair; each learns the counts of
+//    every source of its expert, packs its rows source-major and writes layout_range / recv_count.
+//  * Combine send: (local expert, destination) pairs; each row goes to slot [global expert][token] of
+//    the rank it came from.
+//  * Combine receive: a block per token waits for its top-k rows and reduces them in slot order.
+// A launch with both phases needs no grid barrier: receivers wait on signals, also for their own rows,
+// and the cooperative launch keeps every block resident so that no waiting block starves a sender.
+#include <cuda_bf16.h>
+#include <cuda_fp8.h>
+
+#include "common.cuh"
+#include "low_latency.cuh"
+
+#ifdef MOE_EP_WITH_NVSHMEM
+#include <nvshmem.h>
+#include <nvshmemx.h>
+#endif
+
+namespace moe_ep::kernels::ll {
+
+namespace {
+
+constexpr int kWarps = kBlockThreads / 32;
+constexpr int kCopyUnroll = 8;  // 16-byte loads in flight per lane when copying a row
+constexpr int kCastUnroll = 4;  // 32-byte steps in flight per lane when casting a row to FP8
+constexpr int kReduceBatch = 8;  // top-k rows loaded together by the combine reduction
+constexpr float kFp8Max = 448.0f;
+constexpr float kAmaxFloor = 1e-4f;
+
+// ------------------------------------------------------------------ signals
+
+MOE_EP_DEVICE uint64_t make_signal(uint32_t tag, uint32_t value) {
+    return (static_cast<uint64_t>(tag) << 32) | value;
+}
+
+MOE_EP_DEVICE uint64_t ld_acquire_sys_u64(const uint64_t* ptr) {
+    uint64_t v;
+    asm volatile("ld.acquire.sys.global.u64 %0, [%1];" : "=l"(v) : "l"(ptr) : "memory");
+    return v;
+}
+
+MOE_EP_DEVICE void st_release_sys_u64(uint64_t* ptr, uint64_t v) {
+    asm volatile("st.release.sys.global.u64 [%0], %1;" ::"l"(ptr), "l"(v) : "memory");
+}
+
+// Waits until `*signal` carries `tag`, then yields its value. The time spent spinning is added to
+// `waited_ns`. False when this rank gave up (timeout here or elsewhere: the error is reported).
+MOE_EP_DEVICE bool wait_signal(const uint64_t* signal, uint32_t tag, const Context& c, uint32_t& value,
+                               uint64_t& waited_ns) {
+    uint64_t v = ld_acquire_sys_u64(signal);
+    if ((v >> 32) != tag) {
+        const uint64_t start = global_timer_ns();
+        const bool ok = wait_until(
+            [&] {
+                v = ld_acquire_sys_u64(signal);
+                return (v >> 32) == tag;
+            },
+            c.comm, &c.state->abort, kErrRecvTimeout);
+        waited_ns += global_timer_ns() - start;
+        if (!ok) return false;
+    }
+    value = static_cast<uint32_t>(v);
+    return true;
+}
+
+MOE_EP_DEVICE void add_wait(int64_t* stats, int rank, uint64_t waited_ns) {
+    if (stats != nullptr && waited_ns != 0)
+        atomicAdd(reinterpret_cast<unsigned long long*>(stats + rank), static_cast<unsigned long long>(waited_ns));
+}
+
+// ------------------------------------------------------------------ transport to peers without P2P
+
+#ifdef MOE_EP_WITH_NVSHMEM
+// NVSHMEM delivers the row, then its signal. `staged` must be symmetric memory written by this warp.
+MOE_EP_DEVICE void put_row_with_signal(uint8_t* sym_dst, const uint8_t* staged, size_t bytes, uint64_t* sym_signal,
+                                       uint64_t signal, int pe) {
+    __threadfence_system();  // the staged row must be visible to the transport (a NIC) before it reads it
+    __syncwarp();
+    nvshmemx_putmem_signal_nbi_warp(sym_dst, staged, bytes, sym_signal, signal, NVSHMEM_SIGNAL_SET, pe);
+}
+
+MOE_EP_DEVICE void put_signal(uint64_t* sym_signal, uint64_t signal, int pe) {
+    nvshmemx_signal_op(sym_signal, signal, NVSHMEM_SIGNAL_SET, pe);
+}
+
+MOE_EP_DEVICE void complete_puts() { nvshmem_quiet(); }
+#else
+// Without NVSHMEM the runtime does not exist; a build for the compile check only needs these to exist.
+MOE_EP_DEVICE void put_row_with_signal(uint8_t*, const uint8_t*, size_t, uint64_t*, uint64_t, int) { __trap(); }
+MOE_EP_DEVICE void put_signal(uint64_t*, uint64_t, int) { __trap(); }
+MOE_EP_DEVICE void complete_puts() {}
+#endif
+
+// ------------------------------------------------------------------ rows
+
+// Copies `n` 16-byte vectors with the whole warp. `kReadOnly`: the source is not written while the
+// kernel runs (the non-coherent path is then allowed); rows written by peers use ordinary loads.
+template <bool kReadOnly>
+MOE_EP_DEVICE void copy_row(int4* dst, const int4* src, int n, int lane) {
+    for (int base = 0; base < n; base += 32 * kCopyUnroll) {
+        int4 v[kCopyUnroll];
+#pragma unroll
+        for (int u = 0; u < kCopyUnroll; ++u) {
+            const int i = base + u * 32 + lane;
+            if (i < n) v[u] = kReadOnly ? __ldg(src + i) : src[i];
+        }
+#pragma unroll
+        for (int u = 0; u < kCopyUnroll; ++u) {
+            const int i = base + u * 32 + lane;
+            if (i < n) dst[i] = v[u];
+        }
+    }
+}
+
+// 2^ceil(log2(s)) for a positive normal float, exactly (fp8.py's round_scale for every BF16 input:
+// amax / 448 of a BF16 amax is a power of two or at least 0.4 % away from one).
+MOE_EP_DEVICE float pow2_ceil(float s) {
+    const uint32_t bits = __float_as_uint(s);
+    const uint32_t exponent = (bits >> 23) + ((bits & 0x7fffffu) != 0 ? 1u : 0u);
+    return __uint_as_float(exponent << 23);
+}
+
+MOE_EP_DEVICE float clamp_fp8(float v) { return fminf(fmaxf(v, -kFp8Max), kFp8Max); }
+
+// Casts one BF16 row to e4m3 followed by its scales, bit for bit like fp8.per_token_cast_to_fp8:
+// amax floored at 1e-4, scale = amax / 448 (rounded to a power of two with round_scale), q =
+// saturate(x * (1 / scale)) to nearest even. Every float operation is explicitly rounded so that the
+// compiler cannot fuse it. A lane casts 16 channels per step; the 8 lanes of a 128-channel group
+// share their amax through shuffles, and a warp step covers 4 groups, i.e. exactly one UE8M0 word.
+template <bool kUe8m0>
+MOE_EP_DEVICE void cast_row_fp8(const int4* x_row, uint8_t* dst, int hidden, bool round_scale, int lane) {
+    const int num_chunks = hidden / 16;
+    int4* q = reinterpret_cast<int4*>(dst);
+    uint32_t* scales = reinterpret_cast<uint32_t*>(dst + hidden);
+    for (int base = 0; base < num_chunks; base += 32 * kCastUnroll) {
+        int4 raw[kCastUnroll][2];
+#pragma unroll
+        for (int u = 0; u < kCastUnroll; ++u) {
+            const int c = base + u * 32 + lane;
+            raw[u][0] = raw[u][1] = make_int4(0, 0, 0, 0);
+            if (c < num_chunks) {
+                raw[u][0] = __ldg(x_row + 2 * c);
+                raw[u][1] = __ldg(x_row + 2 * c + 1);
+            }
+        }
+#pragma unroll
+        for (int u = 0; u < kCastUnroll; ++u) {
+            const int step = base + u * 32;  // warp-uniform; groups never straddle the row end (H % 128 == 0)
+            if (step >= num_chunks) break;
+            const int c = step + lane;
+            const __nv_bfloat162* pairs = reinterpret_cast<const __nv_bfloat162*>(raw[u]);
+            float v[16];
+            float amax = 0.0f;
+#pragma unroll
+            for (int i = 0; i < 8; ++i) {
+                const float2 f = __bfloat1622float2(pairs[i]);
+                v[2 * i] = f.x;
+                v[2 * i + 1] = f.y;
+                amax = fmaxf(amax, fmaxf(fabsf(f.x), fabsf(f.y)));
+            }
+#pragma unroll
+            for (int offset = 4; offset > 0; offset >>= 1) amax = fmaxf(amax, __shfl_xor_sync(kFullMask, amax, offset));
+            float scale = __fdiv_rn(fmaxf(amax, kAmaxFloor), kFp8Max);
+            if (round_scale) scale = pow2_ceil(scale);
+            const float inv = __frcp_rn(scale);
+            uint32_t packed[4];
+#pragma unroll
+            for (int i = 0; i < 4; ++i) {
+                const float2 lo = make_float2(clamp_fp8(__fmul_rn(v[4 * i], inv)), clamp_fp8(__fmul_rn(v[4 * i + 1], inv)));
+                const float2 hi =
+                    make_float2(clamp_fp8(__fmul_rn(v[4 * i + 2], inv)), clamp_fp8(__fmul_rn(v[4 * i + 3], inv)));
+                packed[i] = static_cast<uint32_t>(__nv_cvt_float2_to_fp8x2(lo, __NV_SATFINITE, __NV_E4M3)) |
+                            (static_cast<uint32_t>(__nv_cvt_float2_to_fp8x2(hi, __NV_SATFINITE, __NV_E4M3)) << 16);
+            }
+            if (c < num_chunks)
+                q[c] = make_int4(static_cast<int>(packed[0]), static_cast<int>(packed[1]), static_cast<int>(packed[2]),
+                                 static_cast<int>(packed[3]));
+            if constexpr (kUe8m0) {
+                // Groups past the row end contribute 0 bytes, as pack_ue8m0 pads the last word.
+                const uint32_t exponent = c < num_chunks ? (__float_as_uint(scale) >> 23) & 0xffu : 0u;
+                uint32_t word = 0;
+#pragma unroll
+                for (int b = 0; b < 4; ++b) word |= __shfl_sync(kFullMask, exponent, 8 * b) << (8 * b);
+                if (lane == 0) scales[step / 32] = word;
+            } else if (lane % 8 == 0 && c < num_chunks) {
+                scales[c / 8] = __float_as_uint(scale);
+            }
+        }
+    }
+}
+
+// Bytes of one dispatch message: the row, then (FP8) its scales.
+MOE_EP_DEVICE int message_bytes(Mode mode, int hidden) {
+    const int groups = hidden / 128;
+    switch (mode) {
+        case Mode::kBF16: return hidden * 2;
+        case Mode::kFP8: return hidden + groups * 4;
+        default: return hidden + (groups + 3) / 4 * 4;
+    }
+}
+
+// ------------------------------------------------------------------ operation bookkeeping
+
+struct OpInfo {
+    uint32_t tag;     // carried by every signal of this operation
+    int64_t counts;   // offsets of the half it uses (see Layout)
+    int64_t flags;
+    int64_t data;
+    bool abort;       // an earlier wait gave up: do nothing
+};
+
+// Read once per block so that every thread agrees. The half is selected without indexing the Layout
+// arrays at run time (which would put the kernel parameter into local memory).
+MOE_EP_DEVICE OpInfo begin_operation(const Context& c, const Layout& L) {
+    __shared__ uint32_t s_seq;
+    __shared__ int s_abort;
+    if (threadIdx.x == 0) {
+        s_seq = *reinterpret_cast<volatile uint32_t*>(&c.state->seq);
+        s_abort = *reinterpret_cast<volatile int*>(&c.state->abort);
+    }
+    __syncthreads();
+    const bool odd = (s_seq & 1) != 0;
+    return {s_seq + 1, odd ? L.counts[1] : L.counts[0], odd ? L.flags[1] : L.flags[0], odd ? L.data[1] : L.data[0],
+            s_abort != 0};
+}
+
+// The last block to finish a receive phase advances the sequence number for the next operation. The
+// fences order every block's read of `seq` (at its start) before that write.
+MOE_EP_DEVICE void finish_operation(const Context& c) {
+    __syncthreads();
+    if (threadIdx.x == 0) {
+        __threadfence();
+        if (atomicAdd(&c.state->blocks_done, 1u) == gridDim.x - 1) {
+            __threadfence();
+            c.state->blocks_done = 0;
+            c.state->seq += 1;
+        }
+    }
+}
+
+// Warps numbered across blocks first; `workers` warps per item when there are fewer items than warps.
+struct WarpSchedule {
+    int warp, num_warps, lane;
+    MOE_EP_DEVICE static WarpSchedule make() {
+        return {static_cast<int>(threadIdx.x / 32 * gridDim.x + blockIdx.x), static_cast<int>(kWarps * gridDim.x),
+                static_cast<int>(threadIdx.x % 32)};
+    }
+    MOE_EP_DEVICE int workers_per_item(int num_items) const { return max(1, num_warps / max(num_items, 1)); }
+};
+
+// ------------------------------------------------------------------ dispatch
+
+// Entries of `ids[0, n)` equal to `expert`, counted by the whole warp (8 int16 per 16-byte load).
+MOE_EP_DEVICE int count_expert(const int16_t* ids, int n, int expert, int lane) {
+    const uint32_t pattern = static_cast<uint32_t>(static_cast<uint16_t>(expert)) * 0x10001u;
+    const int4* vec = reinterpret_cast<const int4*>(ids);
+    int count = 0;
+    for (int i = lane; i < n / 8; i += 32) {
+        const int4 v = vec[i];
+        count += (__popc(__vcmpeq2(static_cast<uint32_t>(v.x), pattern)) + __popc(__vcmpeq2(static_cast<uint32_t>(v.y), pattern)) +
+                  __popc(__vcmpeq2(static_cast<uint32_t>(v.z), pattern)) + __popc(__vcmpeq2(static_cast<uint32_t>(v.w), pattern))) /
+                 16;
+    }
+    for (int i = n / 8 * 8 + lane; i < n; i += 32) count += ids[i] == expert;
+    return warp_sum(count);
+}
+
+template <Mode kMode>
+MOE_EP_DEVICE void dispatch_send(const DispatchArgs& a, const Context& c, const Layout& L, const OpInfo& op,
+                                 int16_t* s_ids) {
+    const int num_ranks = c.comm.num_ranks, rank = c.comm.rank;
+    const int num_local = a.num_experts / num_ranks;
+    const int entries = a.num_tokens * a.num_topk;
+    for (int i = threadIdx.x; i < entries; i += blockDim.x) {
+        const int64_t e = a.topk_idx[i];
+        s_ids[i] = static_cast<int16_t>(e >= 0 && e < a.num_experts ? e : -1);
+    }
+    __syncthreads();
+
+    const WarpSchedule ws = WarpSchedule::make();
+    const int lane = ws.lane;
+    const int bytes = message_bytes(kMode, a.hidden);
+    bool used_puts = false;
+    for (int item = ws.warp; item < a.num_experts + entries; item += ws.num_warps) {
+        if (item < a.num_experts) {
+            // Every (expert, source) pair gets a count, zero included: receivers wait for all of them.
+            const int count = count_expert(s_ids, entries, item, lane);
+            if (lane == 0) {
+                const int dst = item / num_local;
+                const int64_t offset = op.counts + (static_cast<int64_t>(item % num_local) * num_ranks + rank) * 8;
+                const uint64_t signal = make_signal(op.tag, static_cast<uint32_t>(count));
+                if (c.peers[dst] != nullptr) {
+                    st_release_sys_u64(reinterpret_cast<uint64_t*>(c.peers[dst] + offset), signal);
+                } else {
+                    put_signal(reinterpret_cast<uint64_t*>(c.local + offset), signal, dst);
+                    used_puts = true;
+                }
+            }
+            continue;
+        }
+        const int entry = item - a.num_experts;
+        const int expert = s_ids[entry];
+        if (expert < 0) continue;
+        const int token = entry / a.num_topk;
+        const int position = count_expert(s_ids, token * a.num_topk, expert, lane);
+        const int dst = expert / num_local;
+        const int64_t message =
+            (static_cast<int64_t>(expert % num_local) * num_ranks + rank) * a.max_tokens + position;
+        const int64_t data_offset = op.data + message * L.row_bytes;
+        const int64_t flag_offset = op.flags + message * 8;
+        uint8_t* peer = c.peers[dst];
+        // Peers without P2P: stage the message in the send region (row `entry`), then put it.
+        uint8_t* row = peer != nullptr ? peer + data_offset : c.local + L.send + entry * L.row_bytes;
+        const int4* x_row = static_cast<const int4*>(a.x) + static_cast<int64_t>(token) * (a.hidden / 8);
+        if constexpr (kMode == Mode::kBF16)
+            copy_row<true>(reinterpret_cast<int4*>(row), x_row, a.hidden / 8, lane);
+        else
+            cast_row_fp8<kMode == Mode::kFP8UE8M0>(x_row, row, a.hidden, a.round_scale, lane);
+        const uint64_t signal = make_signal(op.tag, static_cast<uint32_t>(token));
+        if (peer != nullptr) {
+            // __syncwarp orders the other lanes' stores before lane 0's release (release is cumulative).
+            __syncwarp();
+            if (lane == 0) st_release_sys_u64(reinterpret_cast<uint64_t*>(peer + flag_offset), signal);
+        } else {
+            put_row_with_signal(c.local + data_offset, row, bytes, reinterpret_cast<uint64_t*>(c.local + flag_offset),
+                                signal, dst);
+            used_puts = true;
+        }
+    }
+    if (used_puts) complete_puts();
+}
+
+template <Mode kMode>
+MOE_EP_DEVICE void dispatch_recv(const DispatchArgs& a, const Context& c, const Layout& L, const OpInfo& op) {
+    const int num_ranks = c.comm.num_ranks;
+    const int64_t slots = static_cast<int64_t>(num_ranks) * a.max_tokens;  // rows per local expert
+    const int groups = a.hidden / 128;
+    const int words = (groups + 3) / 4;
+    const int num_pairs = a.num_experts;  // (local expert, source)
+    const WarpSchedule ws = WarpSchedule::make();
+    const int lane = ws.lane;
+    const int workers = ws.workers_per_item(num_pairs);
+    const uint64_t* counts = reinterpret_cast<const uint64_t*>(c.local + op.counts);
+    const uint64_t* flags = reinterpret_cast<const uint64_t*>(c.local + op.flags);
+    const uint8_t* data = c.local + op.data;
+
+    for (int v = ws.warp; v < num_pairs * workers; v += ws.num_warps) {
+        const int pair = v % num_pairs, sub = v / num_pairs;
+        const int local_expert = pair / num_ranks, src = pair % num_ranks;
+
+        // Counts from every source of this expert give the begin of `src`'s rows (source-major packing).
+        int before = 0, mine = 0, total = 0;
+        uint64_t waited = 0;
+        bool ok = true;
+        for (int s = lane; s < num_ranks && ok; s += 32) {
+            uint32_t n = 0;
+            uint64_t count_wait = 0;
+            ok = wait_signal(counts + local_expert * num_ranks + s, op.tag, c, n, count_wait);
+            waited += s == src ? count_wait : 0;
+            before += s < src ? static_cast<int>(n) : 0;
+            mine += s == src ? static_cast<int>(n) : 0;
+            total += static_cast<int>(n);
+        }
+        if (__any_sync(kFullMask, !ok)) return;
+        before = warp_sum(before);
+        mine = warp_sum(mine);
+        total = warp_sum(total);
+        if (sub == 0 && lane == 0) {
+            a.layout_range[local_expert * num_ranks + src] =
+                static_cast<int64_t>(mine) | (static_cast<int64_t>(before) << 32);
+            if (a.cumulative_stats != nullptr) atomicAdd(a.cumulative_stats + local_expert, mine);
+            if (src == 0) a.recv_count[local_expert] = total;
+        }
+
+        const int64_t first = (static_cast<int64_t>(local_expert) * num_ranks + src) * a.max_tokens;
+        for (int i = sub; i < mine; i += workers) {
+            uint32_t token = 0;
+            if (lane == 0) ok = wait_signal(flags + first + i, op.tag, c, token, waited);
+            // __syncwarp orders lane 0's acquire before the other lanes' reads of the message.
+            __syncwarp();
+            if (!__shfl_sync(kFullMask, ok, 0)) return;
+            token = __shfl_sync(kFullMask, token, 0);
+            const int64_t row = before + i;  // inside this expert
+            const int64_t out_row = local_expert * slots + row;
+            const uint8_t* msg = data + (first + i) * L.row_bytes;
+            if (lane == 0) a.recv_src_info[out_row] = static_cast<int>(token);
+            if constexpr (kMode == Mode::kBF16) {
+                copy_row<false>(static_cast<int4*>(a.recv_x) + out_row * (a.hidden / 8),
+                                reinterpret_cast<const int4*>(msg), a.hidden / 8, lane);
+            } else {
+                copy_row<false>(static_cast<int4*>(a.recv_x) + out_row * (a.hidden / 16),
+                                reinterpret_cast<const int4*>(msg), a.hidden / 16, lane);
+                // Scales are stored token-dimension-contiguous: element (expert, row, g) at (expert * G + g) * slots + row.
+                const uint32_t* msg_scales = reinterpret_cast<const uint32_t*>(msg + a.hidden);
+                uint32_t* out_scales = static_cast<uint32_t*>(a.recv_scales);
+                const int n = kMode == Mode::kFP8 ? groups : words;
+                for (int g = lane; g < n; g += 32)
+                    out_scales[(static_cast<int64_t>(local_expert) * n + g) * slots + row] = msg_scales[g];
+            }
+        }
+        add_wait(a.wait_stats, src, waited);  // lane 0 waited for the rows, lane src % 32 for the count
+    }
+}
+
+template <Mode kMode>
+__global__ void __launch_bounds__(kBlockThreads, 1)
+    dispatch_kernel(const DispatchArgs args, const Context ctx, const Layout layout, int phases) {
+    extern __shared__ __align__(16) int16_t s_ids[];
+    const OpInfo op = begin_operation(ctx, layout);
+    if (op.abort) return;
+    if (phases & kSendPhase) dispatch_send<kMode>(args, ctx, layout, op, s_ids);
+    if (phases & kRecvPhase) {
+        dispatch_recv<kMode>(args, ctx, layout, op);
+        finish_operation(ctx);
+    }
+}
+
+// ------------------------------------------------------------------ combine
+
+MOE_EP_DEVICE void combine_send(const CombineArgs& a, const Context& c, const Layout& L, const OpInfo& op) {
+    const int num_ranks = c.comm.num_ranks, rank = c.comm.rank;
+    const int num_local = a.num_experts / num_ranks;
+    const int64_t slots = static_cast<int64_t>(num_ranks) * a.max_tokens;
+    const int vectors = a.hidden / 8;
+    const int num_pairs = a.num_experts;  // (local expert, destination)
+    const WarpSchedule ws = WarpSchedule::make();
+    const int lane = ws.lane;
+    const int workers = ws.workers_per_item(num_pairs);
+    bool used_puts = false;
+    for (int v = ws.warp; v < num_pairs * workers; v += ws.num_warps) {
+        const int pair = v % num_pairs, sub = v / num_pairs;
+        const int local_expert = pair / num_ranks, dst = pair % num_ranks;
+        const int64_t range = __ldg(a.layout_range + local_expert * num_ranks + dst);
+        const int count = static_cast<int>(range & 0xffffffff), begin = static_cast<int>(range >> 32);
+        uint8_t* peer = c.peers[dst];
+        for (int i = sub; i < count; i += workers) {
+            const int64_t row = local_expert * slots + begin + i;
+            const int token = __ldg(a.src_info + row);
+            const int64_t slot = static_cast<int64_t>(rank * num_local + local_expert) * a.max_tokens + token;
+            const int64_t data_offset = op.data + slot * L.row_bytes;
+            const int64_t flag_offset = op.flags + slot * 8;
+            const int4* x_row = static_cast<const int4*>(a.x) + row * vectors;
+            const uint64_t signal = make_signal(op.tag, 0);
+            if (peer != nullptr) {
+                copy_row<true>(reinterpret_cast<int4*>(peer + data_offset), x_row, vectors, lane);
+                __syncwarp();  // orders every lane's stores before lane 0's release
+                if (lane == 0) st_release_sys_u64(reinterpret_cast<uint64_t*>(peer + flag_offset), signal);
+            } else {
+                // NVSHMEM puts read symmetric memory: the row of the send region (already there when zero-copy).
+                uint8_t* staged = c.local + L.send + row * L.row_bytes;
+                if (reinterpret_cast<const uint8_t*>(x_row) != staged)
+                    copy_row<true>(reinterpret_cast<int4*>(staged), x_row, vectors, lane);
+                put_row_with_signal(c.local + data_offset, staged, L.row_bytes,
+                                    reinterpret_cast<uint64_t*>(c.local + flag_offset), signal, dst);
+                used_puts = true;
+            }
+        }
+    }
+    if (used_puts) complete_puts();
+}
+
+// out[t] = bf16(sum over j in slot order of w[t, j] * y[t, j]) in float32, with separate (unfused)
+// multiply and add as in the PyTorch reference.
+MOE_EP_DEVICE void combine_recv(const CombineArgs& a, const Context& c, const Layout& L, const OpInfo& op) {
+    __shared__ int s_expert[kMaxTopk];
+    __shared__ float s_weight[kMaxTopk];
+    __shared__ int s_failed;
+    const int num_local = a.num_experts / c.comm.num_ranks;
+    const int vectors = a.hidden / 8;
+    const uint64_t* flags = reinterpret_cast<const uint64_t*>(c.local + op.flags);
+    const uint8_t* data = c.local + op.data;
+    for (int t = blockIdx.x; t < a.num_tokens; t += gridDim.x) {
+        if (threadIdx.x < 32) {
+            const int j = threadIdx.x;
+            bool ok = true;
+            if (j < a.num_topk) {
+                const int64_t e = __ldg(a.topk_idx + static_cast<int64_t>(t) * a.num_topk + j);
+                const int expert = e >= 0 && e < a.num_experts ? static_cast<int>(e) : -1;
+                uint64_t waited = 0;
+                uint32_t unused;
+                if (expert >= 0)
+                    ok = wait_signal(flags + static_cast<int64_t>(expert) * a.max_tokens + t, op.tag, c, unused, waited);
+                if (expert >= 0) add_wait(a.wait_stats, expert / num_local, waited);
+                s_expert[j] = expert;
+                s_weight[j] = __ldg(a.topk_weights + static_cast<int64_t>(t) * a.num_topk + j);
+            }
+            const bool failed = __any_sync(kFullMask, !ok);
+            if (j == 0) s_failed = failed;
+        }
+        // The barrier orders the acquires of warp 0 before every thread's reads of the rows.
+        __syncthreads();
+        if (s_failed) return;
+        for (int vec = threadIdx.x; vec < vectors; vec += blockDim.x) {
+            float acc[8];
+#pragma unroll
+            for (int i = 0; i < 8; ++i) acc[i] = 0.0f;
+            for (int j0 = 0; j0 < a.num_topk; j0 += kReduceBatch) {
+                int4 rows[kReduceBatch];
+#pragma unroll
+                for (int u = 0; u < kReduceBatch; ++u) {
+                    const int j = j0 + u;
+                    const int expert = j < a.num_topk ? s_expert[j] : -1;
+                    if (expert >= 0)
+                        rows[u] = reinterpret_cast<const int4*>(
+                            data + (static_cast<int64_t>(expert) * a.max_tokens + t) * L.row_bytes)[vec];
+                }
+#pragma unroll
+                for (int u = 0; u < kReduceBatch; ++u) {
+                    const int j = j0 + u;
+                    if (j >= a.num_topk || s_expert[j] < 0) continue;
+                    const float w = s_weight[j];
+                    const __nv_bfloat162* y = reinterpret_cast<const __nv_bfloat162*>(&rows[u]);
+#pragma unroll
+                    for (int i = 0; i < 4; ++i) {
+                        const float2 f = __bfloat1622float2(y[i]);
+                        acc[2 * i] = __fadd_rn(acc[2 * i], __fmul_rn(w, f.x));
+                        acc[2 * i + 1] = __fadd_rn(acc[2 * i + 1], __fmul_rn(w, f.y));
+                    }
+                }
+            }
+            int4 result;
+            __nv_bfloat162* out = reinterpret_cast<__nv_bfloat162*>(&result);
+#pragma unroll
+            for (int i = 0; i < 4; ++i) out[i] = __floats2bfloat162_rn(acc[2 * i], acc[2 * i + 1]);
+            static_cast<int4*>(a.out)[static_cast<int64_t>(t) * vectors + vec] = result;
+        }
+        __syncthreads();  // s_expert / s_weight are rewritten for the next token
+    }
+}
+
+__global__ void __launch_bounds__(kBlockThreads, 1)
+    combine_kernel(const CombineArgs args, const Context ctx, const Layout layout, int phases) {
+    const OpInfo op = begin_operation(ctx, layout);
+    if (op.abort) return;
+    if (phases & kSendPhase) combine_send(args, ctx, layout, op);
+    if (phases & kRecvPhase) {
+        combine_recv(args, ctx, layout, op);
+        finish_operation(ctx);
+    }
+}
+
+// ------------------------------------------------------------------ launches
+
+template <typename... Params, typename... Args>
+cudaError_t launch_cooperative(void (*kernel)(Params...), int blocks, size_t shared_bytes, cudaStream_t stream,
+                               Args... args) {
+    cudaLaunchConfig_t config = {};
+    config.gridDim = dim3(blocks);
+    config.blockDim = dim3(kBlockThreads);
+    config.dynamicSmemBytes = shared_bytes;
+    config.stream = stream;
+    cudaLaunchAttribute attribute[1];
+    attribute[0].id = cudaLaunchAttributeCooperative;
+    attribute[0].val.cooperative = 1;
+    config.attrs = attribute;
+    config.numAttrs = 1;
+    return cudaLaunchKernelEx(&config, kernel, args...);
+}
+
+template <Mode kMode>
+cudaError_t launch_dispatch_mode(const DispatchArgs& args, const Context& ctx, const Layout& layout, int phases,
+                                 cudaStream_t stream) {
+    static const cudaError_t attribute = cudaFuncSetAttribute(
+        dispatch_kernel<kMode>, cudaFuncAttributeMaxDynamicSharedMemorySize, kMaxTopkEntries * sizeof(int16_t));
+    if (attribute != cudaSuccess) return attribute;
+    const size_t shared = (phases & kSendPhase) ? (static_cast<size_t>(args.num_tokens) * args.num_topk * 2 + 15) / 16 * 16 : 0;
+    return launch_cooperative(dispatch_kernel<kMode>, ctx.num_blocks, shared, stream, args, ctx, layout, phases);
+}
+
+}  // namespace
+
+Layout make_layout(int64_t max_tokens, int64_t hidden, int64_t num_ranks, int64_t num_experts) {
+    (void)num_ranks;  // the local experts of all ranks together are the global experts
+    const auto align = [](int64_t bytes) { return (bytes + 127) / 128 * 128; };
+    Layout layout{};
+    layout.row_bytes = hidden * 2;
+    const int64_t rows = num_experts * max_tokens;
+    int64_t offset = 0;
+    for (int half = 0; half < 2; ++half) {
+        layout.counts[half] = offset;
+        offset += align(num_experts * 8);
+        layout.flags[half] = offset;
+        offset += align(rows * 8);
+        layout.data[half] = offset;
+        offset += align(rows * layout.row_bytes);
+    }
+    layout.send = offset;
+    offset += align(rows * layout.row_bytes);
+    layout.total = offset;
+    return layout;
+}
+
+cudaError_t launch_dispatch(const DispatchArgs& args, const Context& ctx, const Layout& layout, int phases,
+                            cudaStream_t stream) {
+    switch (args.mode) {
+        case Mode::kBF16: return launch_dispatch_mode<Mode::kBF16>(args, ctx, layout, phases, stream);
+        case Mode::kFP8: return launch_dispatch_mode<Mode::kFP8>(args, ctx, layout, phases, stream);
+        default: return launch_dispatch_mode<Mode::kFP8UE8M0>(args, ctx, layout, phases, stream);
+    }
+}
+
+cudaError_t launch_combine(const CombineArgs& args, const Context& ctx, const Layout& layout, int phases,
+                           cudaStream_t stream) {
+    return launch_cooperative(combine_kernel, ctx.num_blocks, 0, stream, args, ctx, layout, phases);
+}
+
+int grid_blocks(int device) {
+    int sms = 0;
+    if (cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, device) != cudaSuccess) return 0;
+    return sms;
+}
+
+}  // namespace moe_ep::kernels::ll

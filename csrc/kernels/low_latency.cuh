@@ -1,0 +1,109 @@
+// Host entry points of the low-latency (decode) kernels. Plain C++ and CUDA runtime types only, like
+// api.cuh (into which these declarations fold): the torch binding includes this header.
+//
+// Protocol in one paragraph. Every rank owns one symmetric buffer (NVSHMEM heap) with two halves and a
+// send region. Each operation (a dispatch or a combine) gets a sequence number `seq`, kept in device
+// memory and advanced by the receive phase, so it is the same on every rank and survives CUDA-graph
+// replays. Operation `seq` uses half `seq & 1`; every signal it writes carries the tag `seq + 1` in its
+// high 32 bits, so a receiver never mistakes a signal of an earlier operation for a fresh one and no
+// signal is ever cleared. Data is stored first, then its signal with release semantics (or through
+// NVSHMEM put-with-signal for peers without a P2P mapping); receivers acquire the signal, then read.
+#pragma once
+
+#include <cstdint>
+#include <cuda_runtime.h>
+
+#include "api.cuh"
+
+namespace moe_ep::kernels::ll {
+
+// Largest number of (token, top-k slot) entries one dispatch handles: the send phase keeps the top-k
+// ids of all tokens in shared memory as int16 (64 KiB).
+constexpr int kMaxTopkEntries = 32768;
+constexpr int kMaxExperts = 32767;  // expert ids must fit into int16
+constexpr int kBlockThreads = 512;
+
+enum Phase : int { kSendPhase = 1, kRecvPhase = 2 };
+
+// What a dispatch sends per (token, expert): BF16 rows as they are, or the FP8 row followed by its
+// scales (float32 per 128 channels, or UE8M0 exponents packed four to an int32).
+enum class Mode : int { kBF16 = 0, kFP8 = 1, kFP8UE8M0 = 2 };
+
+// Byte offsets inside the symmetric buffer for one (max tokens M, hidden H, ranks R, experts E).
+// Per half: `counts` [E_local][R] u64 dispatch counts, `flags` [E * M] u64 per-row signals and `data`
+// [E * M] rows of 2H bytes (dispatch: [E_local][R][M] messages; combine: [E][M] by global expert and
+// source token). Once: `send`, E * M rows of 2H bytes: the zero-copy combine buffer and the staging
+// area of rows put through NVSHMEM. moe_ep/ops/config.py `low_latency_buffer_bytes` mirrors `total`.
+struct Layout {
+    int64_t counts[2];
+    int64_t flags[2];
+    int64_t data[2];
+    int64_t send;
+    int64_t total;
+    int64_t row_bytes;  // 2H: stride of data, send and dispatch message rows
+};
+
+Layout make_layout(int64_t max_tokens, int64_t hidden, int64_t num_ranks, int64_t num_experts);
+
+// Lives in ordinary device memory of each rank, zeroed at creation.
+struct State {
+    uint32_t seq;          // sequence number of the next operation
+    uint32_t blocks_done;  // blocks that finished the current receive phase
+    int abort;             // set on a timeout: every later wait gives up at once
+    int pad;
+};
+
+// Where this rank's kernels find the buffers of every rank.
+struct Context {
+    uint8_t* local;              // this rank's symmetric buffer
+    uint8_t* const* peers;       // device array [R]: each rank's buffer mapped for direct stores, or null
+    State* state;                // device memory
+    CommContext comm;            // rank, num_ranks, mapped host flags, timeout (peers unused)
+    int num_blocks;              // grid size: every block must be resident at once (cooperative launch)
+};
+
+struct DispatchArgs {
+    const void* x;                  // [T, H] bf16
+    const int64_t* topk_idx;        // [T, k]
+    void* recv_x;                   // [E_local, R*M, H] fp8 or bf16
+    void* recv_scales;              // [E_local, G, R*M] float32 or [E_local, ceil(G/4), R*M] int32, or null
+    int* recv_src_info;             // [E_local, R*M]
+    int64_t* layout_range;          // [E_local, R]: count | begin << 32
+    int* recv_count;                // [E_local]
+    int* cumulative_stats;          // [E_local] or null
+    int64_t* wait_stats;            // [R] nanoseconds waited per source, or null
+    int num_tokens;
+    int num_topk;
+    int hidden;
+    int max_tokens;
+    int num_experts;
+    Mode mode;
+    bool round_scale;
+};
+
+struct CombineArgs {
+    const void* x;                  // [E_local, R*M, H] bf16 expert outputs (the send region when zero-copy)
+    const int* src_info;            // [E_local, R*M] from the dispatch
+    const int64_t* layout_range;    // [E_local, R] from the dispatch
+    const int64_t* topk_idx;        // [T, k]
+    const float* topk_weights;      // [T, k]
+    void* out;                      // [T, H] bf16
+    int64_t* wait_stats;            // [R] or null
+    int num_tokens;
+    int num_topk;
+    int hidden;
+    int max_tokens;
+    int num_experts;
+};
+
+// Launch the phases (`kSendPhase | kRecvPhase`) of one operation on `stream`. The caller checked the
+// arguments and that `layout` fits into the buffer.
+cudaError_t launch_dispatch(const DispatchArgs& args, const Context& ctx, const Layout& layout, int phases,
+                            cudaStream_t stream);
+cudaError_t launch_combine(const CombineArgs& args, const Context& ctx, const Layout& layout, int phases,
+                           cudaStream_t stream);
+
+// Blocks of a low-latency grid on `device`: one per SM, as many as can be resident together.
+int grid_blocks(int device);
+
+}  // namespace moe_ep::kernels::ll
