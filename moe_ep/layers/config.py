@@ -11,6 +11,7 @@ from ..ops.fp8 import BLOCK as FP8_BLOCK
 
 ScoreFunc = Literal["softmax", "sigmoid"]
 DropPolicy = Literal["probs", "position"]
+DispatchMode = Literal["normal", "low_latency"]
 
 FP8_EXPERT_ALIGNMENT = 16
 
@@ -72,6 +73,14 @@ class MoEConfig:
     use_fp8_dispatch: bool = False
     use_fp8_experts: bool = False
 
+    # Token dispatch: "normal" (training, prefill) or "low_latency" (the packed layout, at most
+    # `low_latency_max_tokens` tokens per rank). `num_worst_tokens > 0` makes normal-mode shapes static
+    # (no host sync): at most that many rows may arrive on a rank. `low_latency_max_tokens` also bounds
+    # each micro-batch of `MoELayer.decode`.
+    dispatch_mode: DispatchMode = "normal"
+    num_worst_tokens: int = 0
+    low_latency_max_tokens: Optional[int] = None
+
     def __post_init__(self) -> None:
         for name in ("hidden_size", "moe_intermediate_size", "num_experts", "num_experts_per_tok", "n_group"):
             value = getattr(self, name)
@@ -81,6 +90,7 @@ class MoEConfig:
         self._check_balancing()
         self._check_shared_experts()
         self._check_precision()
+        self._check_dispatch()
 
     def _check_routing(self) -> None:
         _require(self.num_experts_per_tok <= min(self.num_experts, NUM_MAX_TOPK), "num_experts_per_tok",
@@ -131,6 +141,17 @@ class MoEConfig:
         if self.use_fp8_experts:
             _require(self.moe_intermediate_size % FP8_BLOCK == 0, "moe_intermediate_size",
                      f"a multiple of {FP8_BLOCK} with FP8 experts", self.moe_intermediate_size)
+
+    def _check_dispatch(self) -> None:
+        _require(self.dispatch_mode in ("normal", "low_latency"), "dispatch_mode", "'normal' or 'low_latency'",
+                 self.dispatch_mode)
+        _require(isinstance(self.num_worst_tokens, int) and self.num_worst_tokens >= 0, "num_worst_tokens",
+                 "an int >= 0", self.num_worst_tokens)
+        _require(self.low_latency_max_tokens is None
+                 or (isinstance(self.low_latency_max_tokens, int) and self.low_latency_max_tokens > 0),
+                 "low_latency_max_tokens", "None or a positive int", self.low_latency_max_tokens)
+        _require(self.dispatch_mode == "normal" or self.low_latency_max_tokens is not None, "low_latency_max_tokens",
+                 "a positive int with dispatch_mode='low_latency'", self.low_latency_max_tokens)
 
     @property
     def use_fp8(self) -> bool:

@@ -209,3 +209,75 @@ def gather_rows_by_layout(layout_range: torch.Tensor, slots_per_expert: int) -> 
     num_local = layout_range.size(0)
     expert = torch.arange(num_local, device=layout_range.device).repeat(layout_range.size(1))
     return expand_blocks(expert * slots_per_expert + begin_t, count_t), count.sum(0)
+
+
+# ---------------------------------------------------------------------------------------------
+# Expert-major permutation of received rows (the token dispatcher's layout).
+# ---------------------------------------------------------------------------------------------
+
+
+class ExpertLayout(NamedTuple):
+    """Where the `(row, slot)` selections of received rows go in an expert-major layout.
+
+    Expert `e` owns the layout rows `[offset_e, offset_e + tokens_per_expert[e])`: its selections in
+    (row, slot) order, then zero padding up to the alignment. Layout rows past the last expert (a
+    static layout) are padding too.
+    """
+
+    tokens_per_expert: torch.Tensor  # [E_local] int32, each rounded up to the alignment
+    dest_row: torch.Tensor  # [N, k] int64 layout row of every selection, -1 for slots without a local expert
+    src_row: torch.Tensor  # [N_layout] int64 received row of every layout row, -1 for padding
+    src_slot: torch.Tensor  # [N_layout] int64 top-k slot of every layout row, -1 for padding
+
+
+def static_layout_rows(num_worst_tokens: int, num_topk: int, num_local_experts: int, alignment: int) -> int:
+    """Layout rows that always suffice for `num_worst_tokens` received rows (no host sync needed).
+
+    A row selects each expert at most once, so at most `V = num_worst_tokens * min(k, E_local)`
+    selections arrive, and each of the at most `min(E_local, V)` non-empty experts adds less than
+    `alignment` rows of padding; every expert also holds at most `align_up(num_worst_tokens)` rows.
+    """
+    selections = num_worst_tokens * min(num_topk, num_local_experts)
+    padded_total = (selections + min(num_local_experts, selections) * (alignment - 1)) // alignment * alignment
+    per_expert = ceil_div(num_worst_tokens, alignment) * alignment
+    return min(padded_total, num_local_experts * per_expert)
+
+
+def expert_major_layout(
+    recv_topk_idx: torch.Tensor, num_local_experts: int, alignment: int = 1, num_rows: Optional[int] = None
+) -> ExpertLayout:
+    """Expert-major layout of received rows from their local expert ids `recv_topk_idx [N, k]` (-1: none).
+
+    Selections are ordered by expert, then row, then slot (stable, deterministic). `num_rows` fixes
+    the layout size (e.g. `static_layout_rows(...)` or the sum of the host-side aligned counts);
+    `None` computes the exact padded size, which synchronizes with the host. Apart from that, no
+    host synchronization.
+    """
+    num_recv, num_topk = recv_topk_idx.shape
+    device = recv_topk_idx.device
+    flat = recv_topk_idx.reshape(-1)
+    valid = flat >= 0
+    # Slots without a local expert get the key `E_local`: sorted after every expert, then dropped.
+    key = torch.where(valid, flat, num_local_experts)
+    order = torch.argsort(key, stable=True)
+    counts = torch.zeros(num_local_experts + 1, dtype=torch.int64, device=device)
+    counts.scatter_add_(0, key, torch.ones_like(key))
+    counts = counts[:num_local_experts]
+    padded = align_up(counts, alignment)
+    zero = counts.new_zeros(1)
+    sorted_start = torch.cat([counts.cumsum(0) - counts, zero])  # first sorted position of each key
+    layout_start = torch.cat([padded.cumsum(0) - padded, zero])  # first layout row of each key
+    sorted_key = key[order]
+    position = torch.arange(flat.numel(), device=device)
+    dest_sorted = layout_start[sorted_key] + position - sorted_start[sorted_key]
+    dest = torch.empty_like(flat).scatter_(0, order, dest_sorted)
+    dest = torch.where(valid, dest, -1)
+    if num_rows is None:
+        num_rows = int(padded.sum())
+    # Invalid slots all write the extra last row, which is dropped.
+    src = torch.full((num_rows + 1,), -1, dtype=torch.int64, device=device)
+    src.scatter_(0, torch.where(valid, dest, num_rows), position)
+    src = src[:num_rows]
+    is_row = src >= 0
+    return ExpertLayout(padded.to(torch.int32), dest.view(num_recv, num_topk),
+                        torch.where(is_row, src // max(num_topk, 1), -1), torch.where(is_row, src % max(num_topk, 1), -1))
