@@ -1,3 +1,5 @@
+// Compiled with the low-latency part; without NVSHMEM it is empty (the binding then registers no runtime).
+#ifdef MOE_EP_WITH_NVSHMEM
 #include "nvshmem_runtime.hpp"
 
 #include <nvshmem_host.h>
@@ -157,3 +159,4 @@ void NvshmemRuntime::clean(cudaStream_t stream) {
 }
 
 }  // namespace moe_ep
+#endif  // MOE_EP_WITH_NVSHMEM
