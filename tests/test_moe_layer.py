@@ -120,8 +120,8 @@ def make_config(c: Case, world: int) -> MoEConfig:
         hidden_size=c.hidden, moe_intermediate_size=c.inter, num_experts=c.experts_per_rank * world,
         num_experts_per_tok=c.topk, score_func=c.score_func, norm_topk_prob=sigmoid,
         routed_scaling_factor=2.5 if sigmoid else 1.0, enable_expert_bias=True, n_shared_experts=c.n_shared,
-        shared_expert_gate=c.shared_gate and c.n_shared > 0, expert_alignment=c.alignment, use_fp8_dispatch=c.fp8_dispatch,
-        use_fp8_experts=c.fp8_experts, dispatch_mode=c.dispatch_mode,
+        shared_expert_gate=c.shared_gate and c.n_shared > 0, expert_alignment=c.alignment,
+        use_fp8_dispatch=c.fp8_dispatch, use_fp8_experts=c.fp8_experts, dispatch_mode=c.dispatch_mode,
         num_worst_tokens=sum(c.tokens[:world]) if c.static else 0,
         low_latency_max_tokens=max(c.tokens) if c.dispatch_mode == "low_latency" else None)
 
@@ -378,7 +378,9 @@ def test_dispatcher_layout_padding_and_counts(dist_pool, world: int, case: Dispa
     inputs = make_inputs(5 + world, world, list(case.tokens[:world]), case.hidden, num_experts, case.topk)
 
     def seen(x: torch.Tensor) -> torch.Tensor:  # the tokens as the experts see them
-        return fp8.per_token_cast_back(*fp8.per_token_cast_to_fp8(x.float()), torch.float32) if case.fp8 else x.float()
+        if not case.fp8:
+            return x.float()
+        return fp8.per_token_cast_back(*fp8.per_token_cast_to_fp8(x.float()), torch.float32)
 
     for rank, result in enumerate(got):
         expected, counts = [], []

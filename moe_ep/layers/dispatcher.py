@@ -89,15 +89,15 @@ class _Unpermute(torch.autograd.Function):
         y, weights, dest_row, src_row, src_slot = ctx.saved_tensors
         num_topk = dest_row.size(1)
         pair = torch.where(src_row >= 0, src_row * num_topk + src_slot, weights.numel())  # extra slot: padding
-        row_grad = _gather_rows(grad.contiguous(), src_row)  # the output gradient of each layout row's token
+        acc = torch.promote_types(y.dtype, torch.float32)
+        row_grad = _gather_rows(grad, src_row).to(acc)  # the output gradient of each layout row's token
         grad_y = grad_w = None
         if ctx.needs_input_grad[0]:
             row_weight = torch.cat([weights.reshape(-1), weights.new_zeros(1)])[pair]
-            acc = torch.promote_types(y.dtype, torch.float32)
-            grad_y = (row_grad.to(acc) * row_weight.to(acc)[:, None]).to(y.dtype)
+            grad_y = (row_grad * row_weight.to(acc)[:, None]).to(y.dtype)
         if ctx.needs_input_grad[1]:
             # d loss / d w[r, j] = <grad[r], y[dest_row[r, j]]>; every selection owns one layout row.
-            dots = (row_grad.to(torch.float32) * y.to(torch.float32)).sum(-1)
+            dots = (row_grad * y.to(acc)).sum(-1)
             grad_w = weights.new_zeros(weights.numel() + 1).scatter_(0, pair, dots.to(weights.dtype))
             grad_w = grad_w[:-1].view_as(weights)
         return grad_y, grad_w, None

@@ -23,22 +23,35 @@ from .shared_expert import SharedExpertMLP
 _EXPERT_WEIGHTS = ("gate_up_proj", "down_proj")
 
 
-def normal_buffer(group: dist.ProcessGroup, config: MoEConfig, dtype: torch.dtype, backend: str = "auto") -> Buffer:
-    """A normal-mode `Buffer` sized for `config.hidden_size` tokens of `dtype`."""
+_BUFFERS: dict[tuple, Buffer] = {}
+
+
+def shared_buffer(group: dist.ProcessGroup, config: MoEConfig, dtype: torch.dtype, *, low_latency: bool = False,
+                  backend: str = "auto") -> Buffer:
+    """The process's `Buffer` for this group and mode, big enough for `config` (tokens of `dtype`).
+
+    Layers share one buffer per group and mode, as DeepEP recommends (its memory is large); it is
+    replaced by a bigger one when a layer needs more bytes. Creating one is collective: every rank
+    of `group` must ask for the same sizes in the same order.
+    """
     world = dist.get_world_size(group)
-    hidden_bytes = config.hidden_size * max(dtype.itemsize, 2)
-    num_nvl_bytes = max(cfg.get_nvl_buffer_size_hint(hidden_bytes, world)
+    if low_latency:
+        if config.low_latency_max_tokens is None:
+            raise ValueError("config.low_latency_max_tokens: required for low-latency dispatch")
+        nvl_bytes, rdma_bytes = 0, Buffer.get_low_latency_rdma_size_hint(
+            config.low_latency_max_tokens, config.hidden_size, world, config.num_experts)
+    else:
+        hidden_bytes = config.hidden_size * max(dtype.itemsize, 2)
+        nvl_bytes = max(cfg.get_nvl_buffer_size_hint(hidden_bytes, world)
                         for cfg in (Buffer.get_dispatch_config(world), Buffer.get_combine_config(world)))
-    return Buffer(group, num_nvl_bytes, 0, backend=backend)
-
-
-def low_latency_buffer(group: dist.ProcessGroup, config: MoEConfig, backend: str = "auto") -> Buffer:
-    """A low-latency `Buffer` for `config.low_latency_max_tokens` tokens per rank."""
-    if config.low_latency_max_tokens is None:
-        raise ValueError("config.low_latency_max_tokens: required for low-latency dispatch")
-    num_rdma_bytes = Buffer.get_low_latency_rdma_size_hint(config.low_latency_max_tokens, config.hidden_size,
-                                                           dist.get_world_size(group), config.num_experts)
-    return Buffer(group, 0, num_rdma_bytes, low_latency_mode=True, backend=backend)
+        rdma_bytes = 0
+    device = torch.cuda.current_device() if torch.cuda.is_available() else None
+    key = (group, low_latency, backend, device)
+    buffer = _BUFFERS.get(key)
+    if buffer is None or buffer.num_nvl_bytes < nvl_bytes or buffer.num_rdma_bytes < rdma_bytes:
+        buffer = Buffer(group, nvl_bytes, rdma_bytes, low_latency_mode=low_latency, backend=backend)
+        _BUFFERS[key] = buffer
+    return buffer
 
 
 class MoELayer(nn.Module):
@@ -50,7 +63,8 @@ class MoELayer(nn.Module):
     and autograd replays the same streams and orderings in backward. `decode(hidden)` is the
     inference path for small batches (see its docstring).
 
-    `buffer` defaults to one created for the config (every rank of `group` builds it together).
+    `buffer` defaults to the process's shared buffer for `group` (`shared_buffer`). Set
+    `overlap_shared_experts = False` to run the shared experts on the current stream instead.
     `load_state_dict` accepts either this rank's shard of the expert weights or the full set
     (`[num_experts, ...]`), from which it takes the local shard; `gather_full_expert_weights()`
     returns the full set.
@@ -64,7 +78,8 @@ class MoELayer(nn.Module):
         self.rank = dist.get_rank(self.group)
         self.world = dist.get_world_size(self.group)
         if config.num_experts % self.world:
-            raise ValueError(f"config.num_experts: {config.num_experts} experts cannot be split over {self.world} ranks")
+            raise ValueError(f"config.num_experts: {config.num_experts} experts cannot be split over "
+                             f"{self.world} ranks")
         self.config = config
         self.num_local_experts = config.num_experts // self.world
         self.backend = backend
@@ -76,12 +91,13 @@ class MoELayer(nn.Module):
         if config.n_shared_experts > 0:
             self.shared_experts = SharedExpertMLP(config.hidden_size, config.shared_expert_intermediate_size,
                                                   gate=config.shared_expert_gate, **factory)
+        self._token_dtype = dtype or torch.get_default_dtype()
         if buffer is None:
-            token_dtype = dtype or torch.get_default_dtype()
-            buffer = (low_latency_buffer(self.group, config, backend) if config.dispatch_mode == "low_latency"
-                      else normal_buffer(self.group, config, token_dtype, backend))
+            buffer = shared_buffer(self.group, config, self._token_dtype,
+                                   low_latency=config.dispatch_mode == "low_latency", backend=backend)
         self.dispatcher = MoETokenDispatcher(config, buffer)
         self._decode_buffer = buffer if buffer.low_latency_mode else None
+        self.overlap_shared_experts = True
         self._side_streams: dict[torch.device, torch.cuda.Stream] = {}
         self.experts.register_load_state_dict_pre_hook(self._take_local_shard)
 
@@ -107,7 +123,7 @@ class MoELayer(nn.Module):
         halves' dispatches are issued first; while the second is in flight the experts run on the
         first, and while the first half's combine is in flight they run on the second. The halves
         use `Buffer.low_latency_dispatch/combine` directly (with `return_recv_hook`), not the
-        autograd ops. A low-latency buffer is created on first use unless the layer's buffer is one;
+        autograd ops. The layer's buffer serves if it is in low-latency mode, else the shared one does;
         at most two low-latency results are in flight at a time, as DeepEP's double buffering allows.
         """
         cfg = self.config
@@ -115,7 +131,8 @@ class MoELayer(nn.Module):
         if cfg.low_latency_max_tokens is None:
             raise ValueError("decode: set config.low_latency_max_tokens")
         if self._decode_buffer is None:
-            self._decode_buffer = low_latency_buffer(self.group, cfg, self.backend)
+            self._decode_buffer = shared_buffer(self.group, cfg, self._token_dtype, low_latency=True,
+                                                backend=self.backend)
         buffer = self._decode_buffer
         topk_idx, topk_weights = self.router(x)
         shared = self._start_shared(x)
@@ -146,7 +163,7 @@ class MoELayer(nn.Module):
         """Launch the shared experts; on CUDA on a side stream, so they overlap the dispatch."""
         if self.shared_experts is None:
             return None
-        if not x.is_cuda:
+        if not (x.is_cuda and self.overlap_shared_experts):
             return self.shared_experts(x), None
         if x.device not in self._side_streams:
             self._side_streams[x.device] = torch.cuda.Stream(device=x.device)

@@ -278,6 +278,6 @@ def expert_major_layout(
     src = torch.full((num_rows + 1,), -1, dtype=torch.int64, device=device)
     src.scatter_(0, torch.where(valid, dest, num_rows), position)
     src = src[:num_rows]
-    is_row = src >= 0
+    is_row, width = src >= 0, max(num_topk, 1)
     return ExpertLayout(padded.to(torch.int32), dest.view(num_recv, num_topk),
-                        torch.where(is_row, src // max(num_topk, 1), -1), torch.where(is_row, src % max(num_topk, 1), -1))
+                        torch.where(is_row, src // width, -1), torch.where(is_row, src % width, -1))
