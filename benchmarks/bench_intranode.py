@@ -18,6 +18,7 @@ import datetime
 import itertools
 import json
 import os
+import queue
 import socket
 import statistics
 import time
@@ -139,7 +140,8 @@ def _worker(rank: int, world: int, port: int, args: argparse.Namespace, results)
     dist.init_process_group("nccl", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world,
                             timeout=datetime.timedelta(seconds=300), device_id=torch.device("cuda", rank))
     buffer = moe_ep.Buffer(dist.group.WORLD, NVL_BYTES, backend="cuda")
-    report: dict[str, object] = {"world": world}
+    args.experts = args.experts // world * world  # experts are sharded evenly (255 at world 3)
+    report: dict[str, object] = {"world": world, "experts": args.experts}
     main = Bench(buffer, rank, world, args.tokens, args.hidden, args.experts, args.topk, args.warmup, args.iters)
     report["recv_rows_rank0"] = main.recv_rows
     report["remote_rows_rank0"] = main.remote_rows
@@ -199,7 +201,17 @@ def _run_world(world: int, args: argparse.Namespace) -> dict:
     procs = [ctx.Process(target=_worker, args=(r, world, port, args, results)) for r in range(world)]
     for proc in procs:
         proc.start()
-    report = results.get(timeout=args.timeout)
+    deadline = time.time() + args.timeout
+    while True:
+        try:
+            report = results.get(timeout=5)
+            break
+        except queue.Empty:
+            failed = [p.exitcode for p in procs if p.exitcode not in (None, 0)]
+            if failed or time.time() > deadline:
+                for proc in procs:
+                    proc.kill()
+                raise RuntimeError(f"world {world}: a rank failed (exit codes {failed}) or timed out")
     for proc in procs:
         proc.join(timeout=60)
     return report
@@ -240,7 +252,11 @@ def main() -> None:
         if world > torch.cuda.device_count():
             print(f"skipping world {world}: only {torch.cuda.device_count()} GPUs")
             continue
-        reports.append(_run_world(world, args))
+        try:
+            reports.append(_run_world(world, args))
+        except RuntimeError as exc:
+            print(exc)
+            continue
         with open(args.out, "w") as f:
             json.dump({"args": vars(args), "device": torch.cuda.get_device_name(0), "reports": reports}, f, indent=1)
     print(_table(reports))

@@ -1,5 +1,5 @@
 // Intranode combine. Block 2c sends back the rows this rank received from channel c of every other
-// rank (ring slot: the row, then the k top-k weights); block 2c + 1 reduces channel c of this rank's
+// rank (ring slot: the row, then the k top-k weights), one warp per destination; block 2c + 1 reduces channel c of this rank's
 // own tokens: bias first, then the contributions of ranks 0..R-1 in order, all in float32 (float64
 // for double), exactly like the torch backend. This rank's own contribution is read in place.
 #include <algorithm>
@@ -108,29 +108,81 @@ MOE_EP_DEVICE void returned_rows(const CombineArgs& a, int channel, int rank, in
     }
 }
 
-MOE_EP_DEVICE void load_rows(const CombineArgs& a, const StageRing& ring, int channel, const CommContext& comm,
-                             volatile int* abort) {
+// Sender warp for one destination (owner) rank: its own stages, its own ring, its own progress. One
+// in-order pipeline shared by all destinations could deadlock: owners need every source of a token, so
+// a sender stuck on a full ring of owner A while owner A waits for another sender stuck on owner B ...
+// closes a cycle. Lane 0 issues the bulk copies; lanes < k carry the weights, prefetched one row ahead.
+MOE_EP_DEVICE void send_rows(const CombineArgs& a, const StageRing& ring, int first_stage, int num_stages, int dest,
+                             int channel, int slot_bytes, const CommContext& comm, volatile int* abort) {
     const int lane = threadIdx.x & 31;
+    const int me = comm.rank;
     int start, count;
-    returned_rows(a, channel, comm.rank, comm.num_ranks, lane, start, count);
-    const int rounds = warp_max(count);
-    int seq = 0;
-    // Round-robin over destinations so that every ring fills at the same pace.
-    for (int i = 0; i < rounds; ++i) {
-        for (int s = 0; s < comm.num_ranks; ++s) {
-            if (i >= __shfl_sync(kFullMask, count, s)) continue;
-            const int row = __shfl_sync(kFullMask, start, s) + i;
-            if (!acquire_stage(ring, seq, comm, abort)) return;
-            if (a.topk_weights != nullptr && lane < a.num_topk) {
-                float* weights = reinterpret_cast<float*>(ring.stage(seq % ring.num_stages) + a.row_bytes);
-                weights[lane] = a.topk_weights[static_cast<size_t>(row) * a.num_topk + lane];
-            }
-            fill_stage(ring, seq, row, 1u << s, static_cast<const uint8_t*>(a.x) + static_cast<size_t>(row) * a.row_bytes,
-                       a.row_bytes);
-            ++seq;
+    returned_rows(a, channel, me, comm.num_ranks, dest, start, count);
+    uint8_t* ring_base = comm.peers.data[dest] + ring_offset(channel, me, comm.num_ranks, a.ring_slots, slot_bytes);
+    int* tail_ptr = comm.peers.ctrl[dest] + ctrl::kTail + channel * kMaxRanks + me;
+    const int* head_ptr = comm.peers.ctrl[me] + ctrl::kHead + channel * kMaxRanks + dest;
+    const bool has_weights = a.topk_weights != nullptr && lane < a.num_topk;
+    auto weight_of = [&](int i) {
+        return has_weights && i < count ? a.topk_weights[static_cast<size_t>(start + i) * a.num_topk + lane] : 0.0f;
+    };
+    auto load = [&](int i) {  // bulk-load row i into its stage
+        if (lane == 0 && i < count) {
+            const int st = first_stage + i % num_stages;
+            mbar_arrive_expect_tx(ring.full + st, a.row_bytes);
+            bulk_load(ring.stage(st), static_cast<const uint8_t*>(a.x) + static_cast<size_t>(start + i) * a.row_bytes,
+                      a.row_bytes, ring.full + st);
         }
+    };
+    int head = 0, published = 0;
+    bool ok = true;
+    float weight = weight_of(0);
+    load(0);
+    for (int i = 0; i < count && ok; ++i) {
+        // Row i + 1 reuses the stage of row i + 1 - S, whose store is the (S - 2)-th newest one.
+        bulk_wait_dyn<true>(num_stages - 2);
+        __syncwarp();
+        if (num_stages > 1) load(i + 1);
+        const float next_weight = weight_of(i + 1);
+        const int st = first_stage + i % num_stages;
+        uint8_t* stage = ring.stage(st);
+        if (has_weights) reinterpret_cast<float*>(stage + a.row_bytes)[lane] = weight;
+        fence_proxy_async_shared();
+        __syncwarp();  // the weights written by lanes < k are read by lane 0's bulk store
+        ok = __all_sync(kFullMask, mbar_wait(ring.full + st, (i / num_stages) & 1, comm, abort));
+        if (ok && lane == 0) {
+            if (i - head >= a.ring_slots) {
+                bulk_wait<0>();
+                fence_proxy_async_global();
+                st_release_sys(tail_ptr, i);
+                published = i;
+                ok = wait_until([&] { return i - (head = ld_acquire_sys(head_ptr)) < a.ring_slots; }, comm, abort,
+                                kErrSendTimeout);
+                fence_proxy_async_global();
+            }
+            if (ok) {
+                bulk_store(ring_base + static_cast<size_t>(i % a.ring_slots) * slot_bytes, stage, slot_bytes);
+                bulk_commit();
+                if (i + 1 - published >= a.publish_every) {
+                    bulk_wait<0>();
+                    fence_proxy_async_global();
+                    st_release_sys(tail_ptr, i + 1);
+                    published = i + 1;
+                }
+            }
+        }
+        ok = __all_sync(kFullMask, ok);
+        if (num_stages == 1 && i + 1 < count) {
+            bulk_wait<0>();
+            __syncwarp();
+            load(i + 1);
+        }
+        weight = next_weight;
     }
-    if (acquire_stage(ring, seq, comm, abort)) fill_stage(ring, seq, -1, 0, nullptr, 0);
+    bulk_wait<0>();
+    if (lane == 0 && ok && *abort == 0 && count > published) {
+        fence_proxy_async_global();
+        st_release_sys(tail_ptr, count);
+    }
 }
 
 MOE_EP_DEVICE int4 load_row_unit(const uint8_t* row, int unit, bool in_ring) {
@@ -266,19 +318,16 @@ __global__ void __launch_bounds__(kCombineThreads, 1) combine_kernel(CombineArgs
     const StageRing ring = make_stage_ring(smem, num_stages, slot_bytes);
     __syncthreads();
     const int warp = threadIdx.x / 32;
-    if (warp == 0) {
-        load_rows(a, ring, channel, comm, &s_abort);
-    } else if (warp == 1) {
-        run_storer(ring, StorerParams{channel, a.ring_slots, slot_bytes, a.publish_every}, comm, NoLocalSink{},
-                   &s_abort);
-    }
+    const int per_dest = num_stages / comm.num_ranks;  // warp d serves destination d with its own stages
+    if (warp < comm.num_ranks && warp != comm.rank)
+        send_rows(a, ring, warp * per_dest, per_dest, warp, channel, slot_bytes, comm, &s_abort);
 }
 
 template <typename T>
 cudaError_t launch_typed(const CombineArgs& args, const CommContext& comm, cudaStream_t stream) {
     const int slot_bytes = combine_slot_bytes(args.row_bytes, args.num_topk);
     const int stages = max_pipeline_stages(slot_bytes);
-    if (stages == 0) return cudaErrorInvalidValue;
+    if (stages < comm.num_ranks) return cudaErrorInvalidValue;  // at least one stage per destination
     const size_t smem = kStageAlign * ((16 * kMaxStages + 8 * kMaxStages + kStageAlign - 1) / kStageAlign) +
                         static_cast<size_t>(stages) * ((slot_bytes + kStageAlign - 1) / kStageAlign * kStageAlign);
     cudaError_t err = cudaFuncSetAttribute(combine_kernel<T>, cudaFuncAttributeMaxDynamicSharedMemorySize,

@@ -10,7 +10,10 @@ namespace moe_ep::kernels {
 
 namespace {
 
-constexpr int kDispatchThreads = 128;  // warp 0 loads, warp 1 stores, warp 2 writes send_head
+// Sender: warps [0, kLoaderWarps) load, the next one stores, the next one writes send_head.
+// Receiver: warp 0 loads, warp 1 stores.
+constexpr int kLoaderWarps = 4;
+constexpr int kDispatchThreads = 32 * (kLoaderWarps + 2);
 
 struct SlotLayout {
     int row_bytes, num_scales, num_topk;
@@ -42,7 +45,6 @@ MOE_EP_DEVICE void write_recv_extras(const DispatchArgs& a, const SlotLayout& la
 
 // Tokens this rank keeps: written straight into its own outputs by the storer warp.
 struct SelfSink {
-    static constexpr bool kEnabled = true;
     const DispatchArgs* a;
     SlotLayout layout;
     int base_row;  // first output row of (this rank, this channel)
@@ -56,8 +58,10 @@ struct SelfSink {
     }
 };
 
+// Loader warp `loader` of kLoaderWarps fills the stages of every kLoaderWarps-th token sent anywhere,
+// so that several tokens' metadata loads are in flight at once.
 MOE_EP_DEVICE void load_tokens(const DispatchArgs& a, const SlotLayout& layout, const StageRing& ring, int begin,
-                               int end, const CommContext& comm, volatile int* abort) {
+                               int end, int loader, const CommContext& comm, volatile int* abort) {
     const int lane = threadIdx.x & 31;
     int seq = 0;
     for (int base = begin; base < end; base += 32) {
@@ -69,8 +73,9 @@ MOE_EP_DEVICE void load_tokens(const DispatchArgs& a, const SlotLayout& layout, 
             pending &= pending - 1;
             const int token = base + src_lane;
             const uint32_t mask = __shfl_sync(kFullMask, my_mask, src_lane);
-            if (!acquire_stage(ring, seq, comm, abort)) return;
-            uint32_t* words = reinterpret_cast<uint32_t*>(ring.stage(seq % ring.num_stages));
+            if (seq++ % kLoaderWarps != loader) continue;
+            if (!acquire_stage(ring, seq - 1, comm, abort)) return;
+            uint32_t* words = reinterpret_cast<uint32_t*>(ring.stage((seq - 1) % ring.num_stages));
             if (a.x_scales != nullptr)
                 for (int g = lane; g < a.num_scales; g += 32)
                     words[layout.scales() + g] = a.x_scales[static_cast<int64_t>(token) * a.scale_stride + g];
@@ -80,12 +85,11 @@ MOE_EP_DEVICE void load_tokens(const DispatchArgs& a, const SlotLayout& layout, 
                 words[layout.topk() + lane] = static_cast<uint32_t>(static_cast<int>(a.topk_idx[k]));
                 words[layout.weights() + lane] = a.topk_weights != nullptr ? __float_as_uint(a.topk_weights[k]) : 0u;
             }
-            fill_stage(ring, seq, token, mask,
+            fill_stage(ring, seq - 1, token, mask,
                        static_cast<const uint8_t*>(a.x) + static_cast<size_t>(token) * a.row_bytes, a.row_bytes);
-            ++seq;
         }
     }
-    if (acquire_stage(ring, seq, comm, abort)) fill_stage(ring, seq, -1, 0, nullptr, 0);
+    if (seq % kLoaderWarps == loader && acquire_stage(ring, seq, comm, abort)) fill_stage(ring, seq, -1, 0, nullptr, 0);
 }
 
 // send_head[t, d]: position of token t inside the block destination d receives from this rank.
@@ -146,6 +150,7 @@ MOE_EP_DEVICE void run_receiver(const DispatchArgs& a, const SlotLayout& layout,
                 continue;
             }
             deadline = global_timer_ns() + comm.timeout_ns;
+            if (lane == 0) fence_proxy_async_global();  // the tails acquired above cover the bulk loads below
             for (int s = 0; s < R; ++s) {
                 const int n = __shfl_sync(kFullMask, ready, s);
                 const int first = __shfl_sync(kFullMask, loaded, s);
@@ -158,7 +163,6 @@ MOE_EP_DEVICE void run_receiver(const DispatchArgs& a, const SlotLayout& layout,
                         const int st = seq % ring.num_stages;
                         stage_row[st] = row0 + first + i;
                         ring.mask[st] = s;
-                        fence_proxy_async_global();
                         mbar_arrive_expect_tx(ring.full + st, slot_bytes);
                         bulk_load(ring.stage(st), src_ring + static_cast<size_t>((first + i) % a.ring_slots) * slot_bytes,
                                   slot_bytes, ring.full + st);
@@ -218,12 +222,12 @@ __global__ void __launch_bounds__(kDispatchThreads, 1) dispatch_kernel(DispatchA
     }
     int begin, end;
     channel_range(a.num_tokens, a.num_channels, channel, begin, end);
-    if (warp == 0) {
-        load_tokens(a, layout, ring, begin, end, comm, &s_abort);
-    } else if (warp == 1) {
+    if (warp < kLoaderWarps) {
+        load_tokens(a, layout, ring, begin, end, warp, comm, &s_abort);
+    } else if (warp == kLoaderWarps) {
         const SelfSink sink{&a, layout, a.recv_channel_prefix_matrix[comm.rank * a.num_channels + channel], comm.rank};
         run_storer(ring, StorerParams{channel, a.ring_slots, slot_bytes, a.publish_every}, comm, sink, &s_abort);
-    } else if (warp == 2 && a.send_head != nullptr) {
+    } else if (warp == kLoaderWarps + 1 && a.send_head != nullptr) {
         write_send_head(a, channel, begin, end, comm.num_ranks);
     }
 }

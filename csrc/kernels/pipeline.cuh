@@ -1,6 +1,7 @@
-// The sending half of a channel, shared by dispatch and combine: a loader warp fills shared-memory
-// stages (one token each: bulk-loaded row + metadata written by lanes), a storer warp pushes every
-// stage with bulk copies into the rings of its destination ranks and publishes the ring tails.
+// The sending half of a dispatch channel: loader warps fill shared-memory stages (one token each:
+// bulk-loaded row + metadata written by lanes), a storer warp pushes every stage with bulk copies into
+// the rings of its destination ranks (and into this rank's own outputs) and publishes the ring tails.
+// The stage ring itself is shared with the combine kernel.
 //
 // Ring protocol for one (channel, sender -> receiver) ring of Q slots: the sender writes slot
 // pos % Q, then (once the bulk write completed) publishes tail = pos + 1 into the receiver's control
@@ -87,13 +88,6 @@ MOE_EP_DEVICE void fill_stage(const StageRing& ring, int seq, int token, uint32_
     __syncwarp();
 }
 
-// Where the storer writes a stage destined for this rank itself (dispatch only).
-struct NoLocalSink {
-    static constexpr bool kEnabled = false;
-    MOE_EP_DEVICE void data(const uint8_t*, int, int) const {}
-    MOE_EP_DEVICE void extras(const uint8_t*, int, int, int) const {}
-};
-
 struct StorerParams {
     int channel;
     int ring_slots;
@@ -101,7 +95,7 @@ struct StorerParams {
     int publish_every;
 };
 
-// Storer warp: lane d < R serves destination d. Sequence of stages ends with a token < 0. Every lane
+// Storer warp: lane d < R serves destination d; `local` writes the stages meant for this rank itself. Sequence of stages ends with a token < 0. Every lane
 // commits one bulk group per stage, so group counts line up with stage sequence numbers: a stage is
 // released once the group `read_lag` stages back has read it, and a tail is published for the stores
 // `done_lag` stages back once they completed.
@@ -154,9 +148,7 @@ MOE_EP_DEVICE void run_storer(const StageRing& ring, const StorerParams& p, cons
         bulk_commit();
         if (lane < kMaxRanks) s_pos_after[seq % (kMaxBulkLag + 1)][lane] = pos;
         __syncwarp();
-        if constexpr (LocalSink::kEnabled) {
-            if ((mask >> me) & 1) local.extras(stage, token, __shfl_sync(kFullMask, my_pos, me), lane);
-        }
+        if ((mask >> me) & 1) local.extras(stage, token, __shfl_sync(kFullMask, my_pos, me), lane);
         bulk_wait_dyn<true>(lag_read);
         __syncwarp();
         if (lane == 0 && seq >= lag_read) mbar_arrive(ring.empty + (seq - lag_read) % ring.num_stages);

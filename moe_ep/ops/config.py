@@ -68,15 +68,18 @@ class Config:
 
 
 def default_dispatch_config(num_ranks: int, num_sms: int) -> Config:
-    """Dispatch settings for a world size; the CUDA backend's tuning sweep owns these numbers."""
-    send_chunk = 8 if num_ranks <= 4 else 6
-    return Config(num_sms, send_chunk, 256, 8, 128)
+    """Dispatch settings for a world size, from benchmarks/bench_intranode.py's sweep on 4 x H200.
+
+    Ring counters are published every 32 tokens and each (channel, source) ring holds 256 tokens:
+    at 2 and 4 ranks, publishing every 4 or 8 tokens was 15-30% slower and 128 or 512 slots made no
+    difference (benchmarks/results/). Larger groups use the same values (not measured).
+    """
+    return Config(num_sms, 32, 256, 8, 128)
 
 
 def default_combine_config(num_ranks: int, num_sms: int) -> Config:
-    """Combine settings for a world size; the CUDA backend's tuning sweep owns these numbers."""
-    send_chunk = 8 if num_ranks <= 4 else 4
-    return Config(num_sms, send_chunk, 256, 8, 128)
+    """Combine settings for a world size; same sweep and reasoning as `default_dispatch_config`."""
+    return Config(num_sms, 32, 256, 8, 128)
 
 
 def low_latency_buffer_bytes(num_max_dispatch_tokens_per_rank: int, hidden: int, num_ranks: int, num_experts: int) -> int:
