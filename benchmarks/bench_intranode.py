@@ -132,7 +132,7 @@ class Bench:
 def _sweep_configs(quick: bool) -> list[tuple[int, int, int]]:
     if quick:
         return [(24, 8, 256), (20, 8, 256)]
-    return list(itertools.product((16, 20, 24), (4, 8, 16, 32), (128, 256, 512)))
+    return list(itertools.product((20, 24), (16, 32, 64), (256, 512)))
 
 
 def _worker(rank: int, world: int, port: int, args: argparse.Namespace, results) -> None:

@@ -3,7 +3,7 @@
 # $OUT, a short table printed last.
 #   bash scripts/gpu_check.sh [parts] [extra benchmark args...]
 #   parts: comma list of build,test,bench (default all); e.g. `build,bench --quick`.
-#   TEST_TIMEOUT / BENCH_TIMEOUT (seconds) bound the two long parts.
+#   TEST_TIMEOUT / BENCH_TIMEOUT (seconds) bound the two long parts; TESTS narrows the pytest selection.
 set -uo pipefail
 export NCCL_NVLS_ENABLE=0 NVSHMEM_DISABLE_NVLS=1 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 PYTHONUNBUFFERED=1
 OUT=${OUT:-$PWD/out}
@@ -36,7 +36,7 @@ fi
 
 if has test; then
     start=$(date +%s)
-    timeout ${TEST_TIMEOUT:-240} $PY -m pytest tests/gpu -q -x -p no:cacheprovider -rA > "$OUT/pytest.log" 2>&1
+    timeout ${TEST_TIMEOUT:-240} $PY -m pytest ${TESTS:-tests/gpu} -q -x -p no:cacheprovider -rA > "$OUT/pytest.log" 2>&1
     rc=$?
     tail -40 "$OUT/pytest.log"
     summary+=("tests/gpu: rc=$rc in $(( $(date +%s) - start )) s: $(tail -1 "$OUT/pytest.log")")
