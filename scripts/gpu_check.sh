@@ -36,7 +36,7 @@ fi
 
 if has test; then
     start=$(date +%s)
-    timeout ${TEST_TIMEOUT:-240} $PY -m pytest ${TESTS:-tests/gpu} -q -x -p no:cacheprovider -rA > "$OUT/pytest.log" 2>&1
+    timeout ${TEST_TIMEOUT:-240} $PY -m pytest ${TESTS:-tests/gpu} -q ${PYTEST_ARGS--x} -p no:cacheprovider -rA > "$OUT/pytest.log" 2>&1
     rc=$?
     tail -40 "$OUT/pytest.log"
     summary+=("tests/gpu: rc=$rc in $(( $(date +%s) - start )) s: $(tail -1 "$OUT/pytest.log")")
