@@ -152,7 +152,9 @@ kernels::ll::Layout NvshmemRuntime::prepare(int64_t max_tokens, int64_t hidden, 
 
 void NvshmemRuntime::clean(cudaStream_t stream) {
     check_usable();
-    cuda_check(cudaMemsetAsync(base_, 0, num_bytes_, stream), "cudaMemsetAsync(symmetric buffer)");
+    // The acknowledgement words keep counting across cleans, like the sequence numbers.
+    const int64_t acks = kernels::ll::ack_bytes(num_ranks_);
+    cuda_check(cudaMemsetAsync(base_ + acks, 0, num_bytes_ - acks, stream), "cudaMemsetAsync(symmetric buffer)");
     // Every rank must have zeroed its buffer before any rank sends into it again.
     nvshmemx_barrier_all_on_stream(stream);
     cleaned_for_next_ = true;

@@ -35,7 +35,8 @@ class NvshmemRuntime {
     // `layout`, for an operation about to be sent on `stream`: when the sizes differ from the previous
     // operation's, the buffer is first cleaned (signals of the old layout could alias the new one).
     kernels::ll::Layout prepare(int64_t max_tokens, int64_t hidden, int64_t num_experts, cudaStream_t stream);
-    // Zeroes the whole buffer on `stream`, then waits there for every rank to do the same.
+    // Zeroes the buffer (all but the acknowledgement words) on `stream`, then waits there for every
+    // rank to do the same. No operation may be in flight.
     void clean(cudaStream_t stream);
 
     const kernels::ll::Context& context() const { return ctx_; }

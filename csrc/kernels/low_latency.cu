@@ -209,40 +209,84 @@ MOE_EP_DEVICE int message_bytes(Mode mode, int hidden) {
 
 // ------------------------------------------------------------------ operation bookkeeping
 
-struct OpInfo {
-    uint32_t tag;     // carried by every signal of this operation
-    int64_t counts;   // offsets of the half it uses (see Layout)
+// The tag of operation `seq` in signals: never 0, the value of cleaned memory.
+MOE_EP_DEVICE uint32_t tag_of(uint64_t seq) { return static_cast<uint32_t>(seq % 0xffffffffull) + 1; }
+
+struct Phase {
+    uint64_t seq;    // operation number
+    uint32_t tag;    // carried by every signal of the operation
+    int64_t counts;  // offsets of the half it uses (see Layout)
     int64_t flags;
     int64_t data;
-    bool abort;       // an earlier wait gave up: do nothing
 };
 
-// Read once per block so that every thread agrees. The half is selected without indexing the Layout
-// arrays at run time (which would put the kernel parameter into local memory).
-MOE_EP_DEVICE OpInfo begin_operation(const Context& c, const Layout& L) {
-    __shared__ uint32_t s_seq;
+MOE_EP_DEVICE Phase phase_of(uint64_t seq, const Layout& L) {
+    // The half is selected without indexing the Layout arrays at run time (which would put the kernel
+    // parameter into local memory).
+    const bool odd = (seq & 1) != 0;
+    return {seq, tag_of(seq), odd ? L.counts[1] : L.counts[0], odd ? L.flags[1] : L.flags[0],
+            odd ? L.data[1] : L.data[0]};
+}
+
+struct Operation {
+    Phase send, recv;
+    bool abort;  // an earlier wait gave up: do nothing
+};
+
+// Read once per block so that every thread agrees. No counter moves before every block has read it:
+// a phase's counter advances only when all blocks finished that phase.
+MOE_EP_DEVICE Operation begin_operation(const Context& c, const Layout& L) {
+    __shared__ uint64_t s_seq[2];
     __shared__ int s_abort;
     if (threadIdx.x == 0) {
-        s_seq = *reinterpret_cast<volatile uint32_t*>(&c.state->seq);
+        s_seq[0] = *reinterpret_cast<volatile uint64_t*>(&c.state->send_seq);
+        s_seq[1] = *reinterpret_cast<volatile uint64_t*>(&c.state->recv_seq);
         s_abort = *reinterpret_cast<volatile int*>(&c.state->abort);
     }
     __syncthreads();
-    const bool odd = (s_seq & 1) != 0;
-    return {s_seq + 1, odd ? L.counts[1] : L.counts[0], odd ? L.flags[1] : L.flags[0], odd ? L.data[1] : L.data[0],
-            s_abort != 0};
+    return {phase_of(s_seq[0], L), phase_of(s_seq[1], L), s_abort != 0};
 }
 
-// The last block to finish a receive phase advances the sequence number for the next operation. The
-// fences order every block's read of `seq` (at its start) before that write.
-MOE_EP_DEVICE void finish_operation(const Context& c) {
+// Counts the block out of a phase; the last block advances `*seq` and returns true (in thread 0). The
+// fences order every block's work of the phase before what the last block does next.
+MOE_EP_DEVICE bool finish_phase(uint32_t* done, uint64_t* seq) {
     __syncthreads();
-    if (threadIdx.x == 0) {
-        __threadfence();
-        if (atomicAdd(&c.state->blocks_done, 1u) == gridDim.x - 1) {
-            __threadfence();
-            c.state->blocks_done = 0;
-            c.state->seq += 1;
-        }
+    if (threadIdx.x != 0) return false;
+    __threadfence();
+    if (atomicAdd(done, 1u) != gridDim.x - 1) return false;
+    __threadfence();
+    *done = 0;
+    *seq += 1;
+    return true;
+}
+
+// Before writing a half, every rank must have received the operation that used it before (two
+// operations earlier): their acknowledgement words count received operations. Warp 0 acquires them;
+// the barrier orders every thread's later stores after those acquires.
+MOE_EP_DEVICE bool wait_for_receivers(const Context& c, const Layout& L, const Phase& send) {
+    __shared__ int s_failed;
+    if (threadIdx.x < 32) {
+        bool ok = true;
+        const uint64_t* acks = reinterpret_cast<const uint64_t*>(c.local + L.acks);
+        for (int r = threadIdx.x; r < c.comm.num_ranks && ok && send.seq >= 2; r += 32)
+            ok = wait_until([&] { return ld_acquire_sys_u64(acks + r) + 1 >= send.seq; }, c.comm, &c.state->abort,
+                            kErrSendTimeout);
+        const bool failed = __any_sync(kFullMask, !ok);
+        if (threadIdx.x == 0) s_failed = failed;
+    }
+    __syncthreads();
+    return !s_failed;
+}
+
+// Tells every rank (itself included) that this rank has received `received` operations. Called by the
+// last block of a receive phase after finish_phase, so all reads of the half happen before.
+MOE_EP_DEVICE void acknowledge(const Context& c, const Layout& L, uint64_t received) {
+    const int64_t offset = L.acks + static_cast<int64_t>(c.comm.rank) * 8;
+    for (int r = 0; r < c.comm.num_ranks; ++r) {
+        if (c.peers[r] != nullptr)
+            st_release_sys_u64(reinterpret_cast<uint64_t*>(c.peers[r] + offset), received);
+        else
+            put_signal(reinterpret_cast<uint64_t*>(c.local + offset), received, r);
     }
 }
 
@@ -274,7 +318,7 @@ MOE_EP_DEVICE int count_expert(const int16_t* ids, int n, int expert, int lane) 
 }
 
 template <Mode kMode>
-MOE_EP_DEVICE void dispatch_send(const DispatchArgs& a, const Context& c, const Layout& L, const OpInfo& op,
+MOE_EP_DEVICE void dispatch_send(const DispatchArgs& a, const Context& c, const Layout& L, const Phase& op,
                                  int16_t* s_ids) {
     const int num_ranks = c.comm.num_ranks, rank = c.comm.rank;
     const int num_local = a.num_experts / num_ranks;
@@ -310,7 +354,7 @@ MOE_EP_DEVICE void dispatch_send(const DispatchArgs& a, const Context& c, const 
         const int expert = s_ids[entry];
         if (expert < 0) continue;
         const int token = entry / a.num_topk;
-        const int position = count_expert(s_ids, token * a.num_topk, expert, lane);
+        const int position = count_expert(s_ids, entry, expert, lane);  // earlier entries for this expert
         const int dst = expert / num_local;
         const int64_t message =
             (static_cast<int64_t>(expert % num_local) * num_ranks + rank) * a.max_tokens + position;
@@ -339,7 +383,7 @@ MOE_EP_DEVICE void dispatch_send(const DispatchArgs& a, const Context& c, const 
 }
 
 template <Mode kMode>
-MOE_EP_DEVICE void dispatch_recv(const DispatchArgs& a, const Context& c, const Layout& L, const OpInfo& op) {
+MOE_EP_DEVICE void dispatch_recv(const DispatchArgs& a, const Context& c, const Layout& L, const Phase& op) {
     const int num_ranks = c.comm.num_ranks;
     const int64_t slots = static_cast<int64_t>(num_ranks) * a.max_tokens;  // rows per local expert
     const int groups = a.hidden / 128;
@@ -414,18 +458,21 @@ template <Mode kMode>
 __global__ void __launch_bounds__(kBlockThreads, 1)
     dispatch_kernel(const DispatchArgs args, const Context ctx, const Layout layout, int phases) {
     extern __shared__ __align__(16) int16_t s_ids[];
-    const OpInfo op = begin_operation(ctx, layout);
+    const Operation op = begin_operation(ctx, layout);
     if (op.abort) return;
-    if (phases & kSendPhase) dispatch_send<kMode>(args, ctx, layout, op, s_ids);
+    if (phases & kSendPhase) {
+        if (wait_for_receivers(ctx, layout, op.send)) dispatch_send<kMode>(args, ctx, layout, op.send, s_ids);
+        finish_phase(&ctx.state->send_done, &ctx.state->send_seq);
+    }
     if (phases & kRecvPhase) {
-        dispatch_recv<kMode>(args, ctx, layout, op);
-        finish_operation(ctx);
+        dispatch_recv<kMode>(args, ctx, layout, op.recv);
+        if (finish_phase(&ctx.state->recv_done, &ctx.state->recv_seq)) acknowledge(ctx, layout, op.recv.seq + 1);
     }
 }
 
 // ------------------------------------------------------------------ combine
 
-MOE_EP_DEVICE void combine_send(const CombineArgs& a, const Context& c, const Layout& L, const OpInfo& op) {
+MOE_EP_DEVICE void combine_send(const CombineArgs& a, const Context& c, const Layout& L, const Phase& op) {
     const int num_ranks = c.comm.num_ranks, rank = c.comm.rank;
     const int num_local = a.num_experts / num_ranks;
     const int64_t slots = static_cast<int64_t>(num_ranks) * a.max_tokens;
@@ -469,7 +516,7 @@ MOE_EP_DEVICE void combine_send(const CombineArgs& a, const Context& c, const La
 
 // out[t] = bf16(sum over j in slot order of w[t, j] * y[t, j]) in float32, with separate (unfused)
 // multiply and add as in the PyTorch reference.
-MOE_EP_DEVICE void combine_recv(const CombineArgs& a, const Context& c, const Layout& L, const OpInfo& op) {
+MOE_EP_DEVICE void combine_recv(const CombineArgs& a, const Context& c, const Layout& L, const Phase& op) {
     __shared__ int s_expert[kMaxTopk];
     __shared__ float s_weight[kMaxTopk];
     __shared__ int s_failed;
@@ -538,12 +585,15 @@ MOE_EP_DEVICE void combine_recv(const CombineArgs& a, const Context& c, const La
 
 __global__ void __launch_bounds__(kBlockThreads, 1)
     combine_kernel(const CombineArgs args, const Context ctx, const Layout layout, int phases) {
-    const OpInfo op = begin_operation(ctx, layout);
+    const Operation op = begin_operation(ctx, layout);
     if (op.abort) return;
-    if (phases & kSendPhase) combine_send(args, ctx, layout, op);
+    if (phases & kSendPhase) {
+        if (wait_for_receivers(ctx, layout, op.send)) combine_send(args, ctx, layout, op.send);
+        finish_phase(&ctx.state->send_done, &ctx.state->send_seq);
+    }
     if (phases & kRecvPhase) {
-        combine_recv(args, ctx, layout, op);
-        finish_operation(ctx);
+        combine_recv(args, ctx, layout, op.recv);
+        if (finish_phase(&ctx.state->recv_done, &ctx.state->recv_seq)) acknowledge(ctx, layout, op.recv.seq + 1);
     }
 }
 
@@ -578,12 +628,12 @@ cudaError_t launch_dispatch_mode(const DispatchArgs& args, const Context& ctx, c
 }  // namespace
 
 Layout make_layout(int64_t max_tokens, int64_t hidden, int64_t num_ranks, int64_t num_experts) {
-    (void)num_ranks;  // the local experts of all ranks together are the global experts
     const auto align = [](int64_t bytes) { return (bytes + 127) / 128 * 128; };
     Layout layout{};
     layout.row_bytes = hidden * 2;
-    const int64_t rows = num_experts * max_tokens;
-    int64_t offset = 0;
+    const int64_t rows = num_experts * max_tokens;  // the local experts of all ranks are the global experts
+    layout.acks = 0;
+    int64_t offset = ack_bytes(num_ranks);
     for (int half = 0; half < 2; ++half) {
         layout.counts[half] = offset;
         offset += align(num_experts * 8);

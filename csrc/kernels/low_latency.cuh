@@ -1,13 +1,17 @@
 // Host entry points of the low-latency (decode) kernels. Plain C++ and CUDA runtime types only, like
 // api.cuh (into which these declarations fold): the torch binding includes this header.
 //
-// Protocol in one paragraph. Every rank owns one symmetric buffer (NVSHMEM heap) with two halves and a
-// send region. Each operation (a dispatch or a combine) gets a sequence number `seq`, kept in device
-// memory and advanced by the receive phase, so it is the same on every rank and survives CUDA-graph
-// replays. Operation `seq` uses half `seq & 1`; every signal it writes carries the tag `seq + 1` in its
-// high 32 bits, so a receiver never mistakes a signal of an earlier operation for a fresh one and no
-// signal is ever cleared. Data is stored first, then its signal with release semantics (or through
-// NVSHMEM put-with-signal for peers without a P2P mapping); receivers acquire the signal, then read.
+// Protocol. Every rank owns one symmetric buffer (NVSHMEM heap) with two halves, a send region and
+// one acknowledgement word per rank. Operations (dispatches and combines) are numbered in the order
+// their send phases run; device counters (advanced by the kernels, so they agree on every rank and
+// survive CUDA-graph replays) give the send phase and the receive phase their operation number `seq`.
+// Operation `seq` uses half `seq & 1`; its signals carry a 32-bit tag derived from `seq` (never 0), so
+// a receiver never mistakes an earlier operation's signal for a fresh one and no signal is cleared.
+// Data is stored first, then its signal with release semantics (or NVSHMEM put-with-signal for peers
+// without a P2P mapping); receivers acquire the signal, then read. Receive phases run in send order
+// (the Python side keeps at most two operations in flight and completes them first in, first out);
+// when one ends, every rank learns it through its acknowledgement word, and a send phase first waits
+// until every rank has received the operation that used the same half before.
 #pragma once
 
 #include <cstdint>
@@ -29,12 +33,18 @@ enum Phase : int { kSendPhase = 1, kRecvPhase = 2 };
 // scales (float32 per 128 channels, or UE8M0 exponents packed four to an int32).
 enum class Mode : int { kBF16 = 0, kFP8 = 1, kFP8UE8M0 = 2 };
 
-// Byte offsets inside the symmetric buffer for one (max tokens M, hidden H, ranks R, experts E).
-// Per half: `counts` [E_local][R] u64 dispatch counts, `flags` [E * M] u64 per-row signals and `data`
-// [E * M] rows of 2H bytes (dispatch: [E_local][R][M] messages; combine: [E][M] by global expert and
-// source token). Once: `send`, E * M rows of 2H bytes: the zero-copy combine buffer and the staging
-// area of rows put through NVSHMEM. moe_ep/ops/config.py `low_latency_buffer_bytes` mirrors `total`.
+// Bytes of the acknowledgement words at the start of the buffer: [R] u64, the number of operations
+// each rank has received. They survive cleans (the sequence numbers do too).
+inline int64_t ack_bytes(int64_t num_ranks) { return (num_ranks * 8 + 127) / 128 * 128; }
+
+// Byte offsets inside the symmetric buffer for one (max tokens M, hidden H, ranks R, experts E):
+// `acks` first (see ack_bytes). Per half: `counts` [E_local][R] u64 dispatch counts, `flags` [E * M]
+// u64 per-row signals and `data` [E * M] rows of 2H bytes (dispatch: [E_local][R][M] messages;
+// combine: [E][M] by global expert and source token). Once: `send`, E * M rows of 2H bytes: the
+// zero-copy combine buffer and the staging area of rows put through NVSHMEM.
+// moe_ep/ops/config.py `low_latency_buffer_bytes` mirrors `total`.
 struct Layout {
+    int64_t acks;
     int64_t counts[2];
     int64_t flags[2];
     int64_t data[2];
@@ -47,8 +57,10 @@ Layout make_layout(int64_t max_tokens, int64_t hidden, int64_t num_ranks, int64_
 
 // Lives in ordinary device memory of each rank, zeroed at creation.
 struct State {
-    uint32_t seq;          // sequence number of the next operation
-    uint32_t blocks_done;  // blocks that finished the current receive phase
+    uint64_t send_seq;     // operations whose send phase ran
+    uint64_t recv_seq;     // operations whose receive phase ran
+    uint32_t send_done;    // blocks that finished the current send phase
+    uint32_t recv_done;    // blocks that finished the current receive phase
     int abort;             // set on a timeout: every later wait gives up at once
     int pad;
 };

@@ -84,10 +84,11 @@ def default_combine_config(num_ranks: int, num_sms: int) -> Config:
 
 def low_latency_buffer_bytes(num_max_dispatch_tokens_per_rank: int, hidden: int, num_ranks: int, num_experts: int) -> int:
     """Symmetric buffer bytes for low-latency mode (the layout of csrc/kernels/low_latency.cu
-    `make_layout`): two (even/odd) halves, each with a u64 count per (local expert, source rank), a u64
-    signal and a 2*hidden-byte row per (expert, token) slot, then one send region of as many rows (the
-    zero-copy combine buffer). A dispatch row holds BF16 or FP8 data with its scales; combine rows are BF16."""
+    `make_layout`): a u64 acknowledgement word per rank, two (even/odd) halves, each with a u64 count
+    per (local expert, source rank), a u64 signal and a 2*hidden-byte row per (expert, token) slot,
+    then one send region of as many rows (the zero-copy combine buffer). A dispatch row holds BF16 or
+    FP8 data with its scales; combine rows are BF16."""
     rows = num_experts * num_max_dispatch_tokens_per_rank
     row_bytes = 2 * hidden
     half = _align(8 * num_experts) + _align(8 * rows) + _align(rows * row_bytes)
-    return 2 * half + _align(rows * row_bytes)
+    return _align(8 * num_ranks) + 2 * half + _align(rows * row_bytes)

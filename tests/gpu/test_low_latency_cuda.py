@@ -183,6 +183,50 @@ def test_low_latency_cuda_matches_torch(nccl_pool, world: int, case: Case) -> No
     assert sum(received) > 0
 
 
+# ------------------------------------------------------------------ operations in flight
+
+
+def _two_micro_batches(rank: int, world: int, case: dict) -> int:
+    """MoELayer.decode's pattern: both dispatches are sent before either is received, each combine is
+    sent before the other micro-batch is received. The second dispatch hook is called first (the
+    runtime completes the older receive first); a third dispatch whose hook is never called is
+    completed by the next operation."""
+    c = Case(**case)
+    cuda, reference = _cuda_runtime(rank, world), TorchBackend(dist.group.WORLD, rank, world)
+    (a, num_experts), (b, _), (d, _) = (_inputs(c, world, rank, seed) for seed in (21, 22, 23))
+
+    def send(inputs):
+        return cuda.low_latency_dispatch(inputs.x, inputs.topk_idx, c.max_tokens, num_experts, None, None, c.use_fp8,
+                                         c.round_scale, c.use_ue8m0, True)
+
+    def combine_send(inputs, result):
+        return cuda.low_latency_combine(_expert_outputs(result, rank), inputs.topk_idx, inputs.topk_weights,
+                                        result.handle, False, True, None, None)
+
+    (got_a, hook_a), (got_b, hook_b) = send(a), send(b)
+    hook_b()
+    hook_a()  # already completed by hook_b: only orders the stream
+    out_a, combine_hook_a = combine_send(a, got_a)
+    out_b, combine_hook_b = combine_send(b, got_b)
+    combine_hook_a()
+    combine_hook_b()
+    got_d, _ = send(d)  # its hook is dropped
+    after, _, _ = _dispatch(cuda, a, replace(c, hook=False), num_experts, c.max_tokens)
+    plain = replace(c, hook=False)
+    for inputs, got, out in ((a, got_a, out_a), (b, got_b, out_b), (d, got_d, None), (a, after, None)):
+        want, _, _ = _dispatch(reference, inputs, plain, num_experts, c.max_tokens)
+        _assert_same_dispatch(got, want, c.max_tokens)
+        if out is not None:
+            _assert_bf16_close(out, _combine(reference, inputs, want, plain, rank))
+    return int(got_a.recv_count.sum())
+
+
+@pytest.mark.parametrize("world", [2, 4])
+def test_low_latency_cuda_two_in_flight(nccl_pool, world: int) -> None:
+    case = Case("two_in_flight", hidden=7168, tokens=(48, 33, 48, 40), max_tokens=48, experts_per_rank=8)
+    assert sum(nccl_pool(world).run(_two_micro_batches, asdict(case), timeout=600)) > 0
+
+
 # ------------------------------------------------------------------ CUDA graphs
 
 

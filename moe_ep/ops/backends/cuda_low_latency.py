@@ -11,11 +11,13 @@ their `src_info` are left as they were; messages are packed source-major in toke
 `layout_range` and `src_info` of received messages match the torch backend exactly.
 
 Protocol rules the kernels rely on (see csrc/kernels/low_latency.cuh):
-* The receive half of an operation must run before the next low-latency operation starts. A pending
-  hook is therefore run automatically when the next operation (or a clean) begins, and a hook runs at
-  most once.
+* Receive phases run in the order of their send phases, and at most two operations are in flight
+  (sent, not yet received: the buffer has two halves). A hook called out of order first completes the
+  older pending receives; an operation that would exceed two in flight, or one without a hook, first
+  completes the oldest pending receives itself (on its own stream; a hook called afterwards only makes
+  the current stream wait for that). A hook runs at most once.
 * Every rank issues the same sequence of low-latency operations with the same sizes. Changing the
-  sizes (tokens, hidden, experts) cleans the buffer collectively once.
+  sizes (tokens, hidden, experts) completes every pending receive, then cleans the buffer collectively.
 A kernel that waits more than `MOE_EP_TIMEOUT_S` seconds (default 10) for a peer reports an error;
 the next call raises and the runtime stays unusable.
 """
@@ -38,6 +40,7 @@ from ..routing import ceil_div
 from .base import LowLatencyDispatchResult, RecvHook
 
 _SEND, _RECV = 1, 2
+_MAX_IN_FLIGHT = 2  # operations sent but not yet received: one per half of the buffer
 _DEFAULT_TIMEOUT_S = 10.0
 # Global ranks of the group NVSHMEM joined this process with (NVSHMEM initialises once per process).
 _nvshmem_members: Optional[tuple[int, ...]] = None
@@ -93,15 +96,17 @@ def _init_nvshmem(group: dist.ProcessGroup, rank: int, num_ranks: int, device: t
 
 
 class _ReceiveHook:
-    """Launches a receive phase on the stream current at the call; only the first call does anything."""
+    """A pending receive phase: `runtime` launches it in send order (see `LowLatencyRuntime._complete`)."""
 
-    def __init__(self, launch: Callable[[], None]) -> None:
-        self._launch: Optional[Callable[[], None]] = launch
+    def __init__(self, runtime: "LowLatencyRuntime", launch: Callable[[], None]) -> None:
+        self._runtime = runtime
+        self.launch = launch
+        self.done: Optional[torch.cuda.Event] = None  # recorded when launched on behalf of a later call
 
     def __call__(self) -> None:
-        launch, self._launch = self._launch, None
-        if launch is not None:
-            launch()
+        self._runtime._complete(through=self)
+        if self.done is not None:
+            torch.cuda.current_stream().wait_event(self.done)
 
 
 class LowLatencyRuntime:
@@ -121,22 +126,34 @@ class LowLatencyRuntime:
             timeout_s = float(os.environ.get("MOE_EP_TIMEOUT_S", _DEFAULT_TIMEOUT_S))
         _init_nvshmem(group, rank, num_ranks, self.device)
         self._runtime = _ext().NvshmemRuntime(rank, num_ranks, num_rdma_bytes, timeout_s)
-        self._pending: Optional[_ReceiveHook] = None
+        self._in_flight: list[_ReceiveHook] = []  # pending receives, oldest first
+        self._sizes: Optional[tuple[int, int, int]] = None
 
-    def _begin(self) -> None:
-        """Before every operation: fail on an earlier kernel error, finish a receive still pending."""
+    def _complete(self, through: Optional[_ReceiveHook] = None, keep: int = 0) -> None:
+        """Launch pending receives oldest first: up to and including `through` if given, else until
+        at most `keep` remain."""
+        while self._in_flight and (through in self._in_flight if through is not None else len(self._in_flight) > keep):
+            hook = self._in_flight.pop(0)
+            hook.launch()
+            if hook is not through:
+                hook.done = torch.cuda.Event()
+                hook.done.record()
+
+    def _run(self, sizes: tuple[int, int, int], launch: Callable[[int], None],
+             return_recv_hook: bool) -> Optional[RecvHook]:
+        """Launch one operation: both phases, or the send phase and a hook for the receive phase."""
         self._runtime.check_usable()
-        pending, self._pending = self._pending, None
-        if pending is not None:
-            pending()
-
-    def _run(self, launch: Callable[[int], None], return_recv_hook: bool) -> Optional[RecvHook]:
+        if sizes != self._sizes:  # new sizes clean the buffer: nothing may be in flight
+            self._complete()
+            self._sizes = sizes
+        self._complete(keep=_MAX_IN_FLIGHT - 1 if return_recv_hook else 0)
         if not return_recv_hook:
             launch(_SEND | _RECV)
             return None
         launch(_SEND)
-        self._pending = _ReceiveHook(lambda: launch(_RECV))
-        return self._pending
+        hook = _ReceiveHook(self, lambda: launch(_RECV))
+        self._in_flight.append(hook)
+        return hook
 
     def low_latency_dispatch(
         self,
@@ -151,7 +168,6 @@ class LowLatencyRuntime:
         use_ue8m0: bool,
         return_recv_hook: bool,
     ) -> tuple[LowLatencyDispatchResult, Optional[RecvHook]]:
-        self._begin()
         max_tokens, hidden = num_max_dispatch_tokens_per_rank, x.size(1)
         num_local, slots = num_experts // self.num_ranks, self.num_ranks * num_max_dispatch_tokens_per_rank
         device = x.device
@@ -176,7 +192,7 @@ class LowLatencyRuntime:
                                cumulative_local_expert_recv_stats, dispatch_wait_recv_cost_stats, max_tokens,
                                num_experts, mode, round_scale, phases)
 
-        hook = self._run(launch, return_recv_hook)
+        hook = self._run((max_tokens, hidden, num_experts), launch, return_recv_hook)
         handle = LowLatencyHandle(src_info, layout_range, max_tokens, hidden, num_experts)
         return LowLatencyDispatchResult(recv_x, recv_scales, recv_count, handle), hook
 
@@ -191,7 +207,6 @@ class LowLatencyRuntime:
         out: Optional[torch.Tensor],
         combine_wait_recv_cost_stats: Optional[torch.Tensor],
     ) -> tuple[torch.Tensor, Optional[RecvHook]]:
-        self._begin()
         combined = out if out is not None else torch.empty(topk_idx.size(0), handle.hidden, dtype=torch.bfloat16,
                                                            device=topk_idx.device)
 
@@ -200,7 +215,8 @@ class LowLatencyRuntime:
                               topk_weights, combined, combine_wait_recv_cost_stats,
                               handle.num_max_dispatch_tokens_per_rank, handle.hidden, handle.num_experts, phases)
 
-        return combined, self._run(launch, return_recv_hook)
+        sizes = (handle.num_max_dispatch_tokens_per_rank, handle.hidden, handle.num_experts)
+        return combined, self._run(sizes, launch, return_recv_hook)
 
     def get_next_low_latency_combine_buffer(self, handle: LowLatencyHandle) -> torch.Tensor:
         """The send region as `[E_local, R*max, H]` bf16; a zero-copy combine sends from it."""
@@ -208,12 +224,13 @@ class LowLatencyRuntime:
                                      handle.num_experts)
 
     def clean_low_latency_buffer(self, num_max_dispatch_tokens_per_rank: int, hidden: int, num_experts: int) -> None:
-        """Zero the whole symmetric buffer on every rank (collective, on the current stream)."""
-        self._begin()
+        """Zero the symmetric buffer on every rank (collective, on the current stream)."""
+        self._runtime.check_usable()
+        self._complete()
         self._runtime.clean()
 
     def destroy(self) -> None:
         """Free the symmetric buffer (collective); the runtime is unusable afterwards."""
-        self._pending = None
+        self._in_flight.clear()
         torch.cuda.synchronize(self.device)
         self._runtime.destroy()
