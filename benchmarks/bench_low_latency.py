@@ -1,0 +1,219 @@
+"""Low-latency (decode) benchmark of the CUDA backend against NCCL all_to_all_single.
+
+Spawns one process per GPU (NCCL group) and runs DeepEP's low-latency workload: T tokens per rank
+(a sweep, 128 by default first), hidden 7168, top-8 of 256 experts (uniform random routing, no masked
+slots), FP8 dispatch and BF16 combine, with `num_max_dispatch_tokens_per_rank = T`. Reported per T:
+  * kernel times (torch profiler, median over iterations, slowest rank): dispatch and combine with
+    both phases, and in hook mode the send and receive kernels of each;
+  * dispatch + combine: one captured (dispatch, combine) pair replayed, timed with CUDA events after a
+    barrier (median, slowest rank), so no host launch overhead is included;
+  * bytes: one message per (token, expert) pair, `msg_bytes` each (FP8 dispatch: H + 4 H / 128;
+    combine: 2 H); `*_gbps` divide the bytes a rank sends to other ranks by the kernel time;
+  * NCCL all_to_all_single moving the same messages between the same ranks (uint8 rows), timed like
+    the pair above, in the same run.
+
+    python benchmarks/bench_low_latency.py --out benchmarks/results/low_latency.json [--tokens 128 1 512]
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import os
+import socket
+import statistics
+import sys
+from typing import Callable
+
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+from moe_ep.ops.backends.cuda_low_latency import LowLatencyRuntime
+from moe_ep.ops.config import low_latency_buffer_bytes
+
+
+def _free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def _slowest(value: float) -> float:
+    tensor = torch.tensor([value], device="cuda")
+    dist.all_reduce(tensor, op=dist.ReduceOp.MAX)
+    return float(tensor.item())
+
+
+def _event_time_us(fn: Callable[[], object], warmup: int, iters: int) -> float:
+    """Median GPU time of `fn` started in step on every rank (host barrier, then CUDA events)."""
+    for _ in range(warmup):
+        fn()
+    times = []
+    for _ in range(iters):
+        torch.cuda.synchronize()
+        dist.barrier()
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        fn()
+        end.record()
+        end.synchronize()
+        times.append(start.elapsed_time(end) * 1e3)
+    return _slowest(statistics.median(times))
+
+
+def _kernel_times_us(fn: Callable[[], object], warmup: int, iters: int, names: list[str]) -> list[float]:
+    """Median durations of the low-latency kernels `fn` launches, one entry per launch of an iteration
+    (in launch order; `names` says what each is)."""
+    from torch.profiler import ProfilerActivity, profile
+
+    for _ in range(warmup):
+        fn()
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        for _ in range(iters):
+            fn()
+        torch.cuda.synchronize()
+    kernels = sorted((e for e in prof.events() if "dispatch_kernel" in e.name or "combine_kernel" in e.name),
+                     key=lambda e: e.time_range.start)
+    if len(kernels) != iters * len(names):
+        raise RuntimeError(f"profiler saw {len(kernels)} low-latency kernels, expected {iters * len(names)}")
+    per_slot = [[kernels[i * len(names) + j].time_range.elapsed_us() for i in range(iters)] for j in range(len(names))]
+    return [_slowest(statistics.median(times)) for times in per_slot]
+
+
+def _routing(tokens: int, num_experts: int, topk: int, seed: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Uniform random top-k (distinct experts per token) and weights."""
+    gen = torch.Generator(device="cuda").manual_seed(seed)
+    topk_idx = torch.rand(tokens, num_experts, generator=gen, device="cuda").topk(topk, dim=1).indices
+    return topk_idx, torch.rand(tokens, topk, generator=gen, device="cuda")
+
+
+def _nccl_exchange(topk_idx: torch.Tensor, num_experts: int, msg_bytes: int) -> Callable[[], object]:
+    """all_to_all_single moving one `msg_bytes` row per (token, expert) pair to the expert's rank."""
+    world = dist.get_world_size()
+    dest = (topk_idx // (num_experts // world)).flatten()
+    send_counts = torch.bincount(dest, minlength=world)
+    recv_counts = torch.empty_like(send_counts)
+    dist.all_to_all_single(recv_counts, send_counts)
+    send = torch.randint(0, 255, (int(send_counts.sum()), msg_bytes), dtype=torch.uint8, device="cuda")
+    recv = torch.empty(int(recv_counts.sum()), msg_bytes, dtype=torch.uint8, device="cuda")
+    splits_in, splits_out = send_counts.tolist(), recv_counts.tolist()
+    return lambda: dist.all_to_all_single(recv, send, splits_out, splits_in)
+
+
+def _remote_messages(topk_idx: torch.Tensor, num_experts: int) -> int:
+    world, rank = dist.get_world_size(), dist.get_rank()
+    return int((topk_idx // (num_experts // world) != rank).sum())
+
+
+def _measure(runtime: LowLatencyRuntime, tokens: int, args: argparse.Namespace) -> dict:
+    world, rank = dist.get_world_size(), dist.get_rank()
+    hidden, num_experts, topk = args.hidden, args.experts, args.topk
+    topk_idx, topk_weights = _routing(tokens, num_experts, topk, 1000 + rank)
+    x = torch.randn(tokens, hidden, device="cuda").to(torch.bfloat16)
+    num_local, slots = num_experts // world, world * tokens
+
+    def dispatch(hook: bool):
+        return runtime.low_latency_dispatch(x, topk_idx, tokens, num_experts, None, None, True, False, False, hook)
+
+    first, _ = dispatch(False)
+    y = torch.randn(num_local, slots, hidden, device="cuda").to(torch.bfloat16)
+
+    def combine(handle, hook: bool):
+        return runtime.low_latency_combine(y, topk_idx, topk_weights, handle, False, hook, None, None)
+
+    def pair() -> None:
+        result, _ = dispatch(False)
+        combine(result.handle, False)
+
+    def hooked_pair() -> None:
+        result, recv = dispatch(True)
+        recv()
+        _, combine_recv = combine(result.handle, True)
+        combine_recv()
+
+    dispatch_us, combine_us = _kernel_times_us(pair, args.warmup, args.iters, ["dispatch", "combine"])
+    send_us, recv_us, combine_send_us, combine_recv_us = _kernel_times_us(
+        hooked_pair, args.warmup, args.iters, ["dispatch send", "dispatch recv", "combine send", "combine recv"])
+
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        pair()
+    pair_us = _event_time_us(graph.replay, args.warmup, args.iters)
+
+    dispatch_msg, combine_msg = hidden + hidden // 128 * 4, 2 * hidden
+    remote = _slowest(_remote_messages(topk_idx, num_experts))
+    nccl_dispatch_us = _event_time_us(_nccl_exchange(topk_idx, num_experts, dispatch_msg), args.warmup, args.iters)
+    nccl_combine_us = _event_time_us(_nccl_exchange(topk_idx, num_experts, combine_msg), args.warmup, args.iters)
+    torch.cuda.synchronize()
+    dist.barrier()
+    del graph, first
+    return {
+        "tokens_per_rank": tokens, "messages_per_rank": tokens * topk, "remote_messages_max": int(remote),
+        "dispatch_msg_bytes": dispatch_msg, "combine_msg_bytes": combine_msg,
+        "dispatch_us": dispatch_us, "combine_us": combine_us, "dispatch_plus_combine_kernels_us": dispatch_us + combine_us,
+        "dispatch_combine_pair_us": pair_us,
+        "hook_dispatch_send_us": send_us, "hook_dispatch_recv_us": recv_us,
+        "hook_combine_send_us": combine_send_us, "hook_combine_recv_us": combine_recv_us,
+        "dispatch_remote_gbps": remote * dispatch_msg / dispatch_us / 1e3,
+        "combine_remote_gbps": remote * combine_msg / combine_us / 1e3,
+        "nccl_dispatch_bytes_us": nccl_dispatch_us, "nccl_combine_bytes_us": nccl_combine_us,
+    }
+
+
+def _worker(rank: int, world: int, port: int, args: argparse.Namespace, results: "mp.Queue") -> None:
+    torch.cuda.set_device(rank)
+    dist.init_process_group("nccl", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world,
+                            timeout=datetime.timedelta(seconds=300), device_id=torch.device("cuda", rank))
+    torch.manual_seed(rank)
+    # One buffer for the sweep: each new token count cleans it once (collectively).
+    runtime = LowLatencyRuntime(dist.group.WORLD, rank, world,
+                                max(low_latency_buffer_bytes(t, args.hidden, world, args.experts) for t in args.tokens))
+    rows = []
+    for tokens in args.tokens:
+        row = _measure(runtime, tokens, args)
+        rows.append(row)
+        if rank == 0:
+            print(json.dumps(row), flush=True)
+    if rank == 0:
+        results.put(rows)
+    runtime.destroy()
+    dist.destroy_process_group()
+    os._exit(0)  # NVSHMEM is not finalised: skip the interpreter's teardown
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--world", type=int, default=4)
+    parser.add_argument("--tokens", type=int, nargs="+", default=[128, 1, 8, 32, 64, 256, 512])
+    parser.add_argument("--hidden", type=int, default=7168)
+    parser.add_argument("--experts", type=int, default=256)
+    parser.add_argument("--topk", type=int, default=8)
+    parser.add_argument("--warmup", type=int, default=20)
+    parser.add_argument("--iters", type=int, default=50)
+    parser.add_argument("--out", default="benchmarks/results/low_latency.json")
+    args = parser.parse_args()
+    if torch.cuda.device_count() < args.world:
+        sys.exit(f"needs {args.world} GPUs, found {torch.cuda.device_count()}")
+    ctx = mp.get_context("spawn")
+    results = ctx.Queue()
+    port = _free_port()
+    procs = [ctx.Process(target=_worker, args=(r, args.world, port, args, results)) for r in range(args.world)]
+    for proc in procs:
+        proc.start()
+    rows = results.get()
+    for proc in procs:
+        proc.join()
+    report = {"command": " ".join([os.path.basename(sys.executable)] + sys.argv), "world": args.world,
+              "hidden": args.hidden, "experts": args.experts, "topk": args.topk,
+              "device": torch.cuda.get_device_name(0), "torch": torch.__version__, "results": rows}
+    os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
+    with open(args.out, "w") as f:
+        json.dump(report, f, indent=2)
+    print(f"wrote {args.out}")
+
+
+if __name__ == "__main__":
+    main()
