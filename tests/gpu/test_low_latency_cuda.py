@@ -23,8 +23,8 @@ from moe_ep.ops.config import low_latency_buffer_bytes
 from moe_ep.ops.routing import unpack_layout_range
 from reference import make_inputs
 
-pytestmark = pytest.mark.skipif(not torch.cuda.is_available() or not low_latency_available(),
-                                reason="needs CUDA GPUs and moe_ep._C built with NVSHMEM")
+needs_gpu = pytest.mark.skipif(not torch.cuda.is_available() or not low_latency_available(),
+                               reason="needs CUDA GPUs and moe_ep._C built with NVSHMEM")
 
 
 @dataclass(frozen=True)
@@ -176,6 +176,7 @@ def _compare_case(rank: int, world: int, case: dict, seed: int = 1234) -> int:
     return int(got.recv_count.sum())
 
 
+@needs_gpu
 @pytest.mark.parametrize("world", [2, 3, 4])
 @pytest.mark.parametrize("case", CASES, ids=lambda c: c.name)
 def test_low_latency_cuda_matches_torch(nccl_pool, world: int, case: Case) -> None:
@@ -221,6 +222,7 @@ def _two_micro_batches(rank: int, world: int, case: dict) -> int:
     return int(got_a.recv_count.sum())
 
 
+@needs_gpu
 @pytest.mark.parametrize("world", [2, 4])
 def test_low_latency_cuda_two_in_flight(nccl_pool, world: int) -> None:
     case = Case("two_in_flight", hidden=7168, tokens=(48, 33, 48, 40), max_tokens=48, experts_per_rank=8)
@@ -260,6 +262,7 @@ def _graph_replay(rank: int, world: int, case: dict) -> int:
     return received
 
 
+@needs_gpu
 @pytest.mark.parametrize("world", [2, 4])
 def test_low_latency_cuda_graph_replay(nccl_pool, world: int) -> None:
     case = Case("graph", hidden=7168, tokens=(64, 64, 64, 64), max_tokens=64, experts_per_rank=8, round_scale=True,
@@ -298,6 +301,7 @@ def _pressure(rank: int, world: int, case: dict, rounds: int) -> int:
     return len(seen)
 
 
+@needs_gpu
 @pytest.mark.parametrize("world", [3, 4])
 def test_low_latency_cuda_repeated_seeds(nccl_pool, world: int) -> None:
     case = Case("pressure", hidden=7168, tokens=(128, 96, 128, 77), max_tokens=128, experts_per_rank=16)
@@ -328,13 +332,60 @@ def _absent_peer(rank: int, world: int) -> str:
     return message
 
 
+@needs_gpu
 def test_low_latency_cuda_missing_peer_times_out(nccl_pool) -> None:
     outcomes = nccl_pool(2).run(_absent_peer, timeout=300)
     assert "peer" in outcomes[0]
 
 
+@needs_gpu
 def test_buffer_size_formula_matches_kernels() -> None:
     from moe_ep.ops.backends.cuda_low_latency import _ext
 
     for sizes in [(1, 128, 2, 2), (128, 7168, 4, 256), (512, 16384, 8, 288), (33, 2944, 3, 9)]:
         assert _ext().ll_buffer_bytes(*sizes) == low_latency_buffer_bytes(*sizes)
+
+
+# ------------------------------------------------------------------ receive ordering (no GPU needed)
+
+
+class _FakeEvent:
+    def record(self) -> None:
+        pass
+
+
+class _FakeStream:
+    def wait_event(self, event: _FakeEvent) -> None:
+        pass
+
+
+def test_receives_complete_in_send_order(monkeypatch) -> None:
+    """At most two operations in flight, receives in send order, each once; new sizes drain everything."""
+    from moe_ep.ops.backends import cuda_low_latency as module
+
+    monkeypatch.setattr(module.torch.cuda, "Event", _FakeEvent)
+    monkeypatch.setattr(module.torch.cuda, "current_stream", lambda: _FakeStream())
+    runtime = object.__new__(module.LowLatencyRuntime)
+    runtime._runtime = type("Checked", (), {"check_usable": lambda self: None})()
+    runtime._in_flight, runtime._sizes = [], None
+    log: list[str] = []
+
+    def op(name: str, hook: bool, sizes: tuple[int, int, int] = (8, 128, 4)):
+        phases = {1: "send", 2: "recv", 3: "both"}
+        return runtime._run(sizes, lambda p: log.append(f"{name}.{phases[p]}"), hook)
+
+    hook_a, hook_b = op("a", True), op("b", True)
+    hook_b()
+    hook_a()
+    assert log == ["a.send", "b.send", "a.recv", "b.recv"]
+    log.clear()
+    op("c", True), op("d", True), op("e", True)
+    assert log == ["c.send", "d.send", "c.recv", "e.send"]
+    log.clear()
+    assert op("f", False) is None
+    assert log == ["d.recv", "e.recv", "f.both"]
+    log.clear()
+    op("g", True)
+    op("h", True, sizes=(16, 128, 4))
+    assert log == ["g.send", "g.recv", "h.send"]
+
