@@ -13,6 +13,7 @@ from .backends.base import CommBackend
 from .config import Config, default_combine_config, default_dispatch_config, low_latency_buffer_bytes
 from .event import EventOverlap, capture_event
 from .handles import DispatchHandle, LowLatencyHandle
+from .routing import NUM_MAX_NVL_PEERS
 from .streams import CommStreams, StreamScope
 
 topk_idx_t = torch.int64
@@ -32,7 +33,8 @@ class Buffer:
     Same constructor, methods, arguments and return tuples as DeepEP V1's `deep_ep.Buffer`, plus
     `backend`: `"torch"` (torch.distributed collectives; gloo on CPU, NCCL on GPU), `"cuda"` (the
     `moe_ep._C` kernels) or `"auto"` (CUDA kernels for GPU tensors when the extension is built,
-    the torch backend otherwise). Any world size works; see docs/semantics.md for exact outputs.
+    the torch backend otherwise, e.g. beyond one node of 8 ranks or without buffer bytes). Any world
+    size works; see docs/semantics.md for exact outputs.
     """
 
     num_sms: int = 20
@@ -70,11 +72,17 @@ class Buffer:
         self._streams = CommStreams()
         self._torch = create_backend("torch", self.group, self.rank, self.group_size)
         self._cuda: Optional[CommBackend] = None
-        if backend == "cuda" or (backend == "auto" and cuda_extension_available() and _is_nccl(self.group)):
+        if backend == "cuda" or (backend == "auto" and self._cuda_fits()):
             self._cuda = create_backend("cuda", self.group, self.rank, self.group_size, num_nvl_bytes=num_nvl_bytes,
                                         num_rdma_bytes=num_rdma_bytes, low_latency_mode=low_latency_mode,
                                         explicitly_destroy=explicitly_destroy)
         self._destroyed = False
+
+    def _cuda_fits(self) -> bool:
+        """`auto` picks the CUDA kernels for one NVLink node of NCCL ranks with buffers to work in."""
+        has_buffer = self.num_rdma_bytes > 0 if self.low_latency_mode else self.num_nvl_bytes > 0
+        return (cuda_extension_available() and _is_nccl(self.group) and self.group_size <= NUM_MAX_NVL_PEERS
+                and has_buffer)
 
     # ------------------------------------------------------------------ static helpers
 
