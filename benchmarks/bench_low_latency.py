@@ -139,7 +139,7 @@ def _measure(runtime: LowLatencyRuntime, tokens: int, args: argparse.Namespace) 
         hooked_pair, args.warmup, args.iters, ["dispatch send", "dispatch recv", "combine send", "combine recv"])
 
     graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
+    with torch.cuda.graph(graph, capture_error_mode="thread_local"):  # the NCCL watchdog thread runs on
         pair()
     pair_us = _event_time_us(graph.replay, args.warmup, args.iters)
 
