@@ -1,5 +1,5 @@
 """Glue to other libraries: Hugging Face transformers models and data-parallel training."""
 
-from .data_parallel import expert_parameters, sync_gradients
+from .data_parallel import ddp_ignored_names, expert_parameters, scale_expert_gradients, sync_gradients
 
-__all__ = ["expert_parameters", "sync_gradients"]
+__all__ = ["ddp_ignored_names", "expert_parameters", "scale_expert_gradients", "sync_gradients"]
