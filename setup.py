@@ -86,19 +86,24 @@ def _cuda_extension():
         nvcc_flags.append("-DMOE_EP_WITH_LOW_LATENCY")
         cxx_flags.append("-DMOE_EP_WITH_LOW_LATENCY")
     nvshmem = _nvshmem_dir()
+    compile_args: dict[str, list[str]] = {"cxx": cxx_flags, "nvcc": nvcc_flags}
     if nvshmem and low_latency:
+        lib = os.path.join(nvshmem, "lib")
         include_dirs.append(os.path.join(nvshmem, "include"))
-        library_dirs.append(os.path.join(nvshmem, "lib"))
+        library_dirs.append(lib)
         nvcc_flags += ["-rdc=true", "-DMOE_EP_WITH_NVSHMEM"]
         cxx_flags += ["-DMOE_EP_WITH_NVSHMEM"]
-        extra_link += [f"-Wl,-rpath,{os.path.join(nvshmem, 'lib')}"]
+        # Relocatable device code needs a device-link step against NVSHMEM's device library; the wheel
+        # ships only the versioned host library, hence the explicit file names.
+        compile_args["nvcc_dlink"] = ["-dlink", f"-L{lib}", "-lnvshmem_device"]
+        extra_link += [f"-L{lib}", "-l:libnvshmem_device.a", "-l:libnvshmem_host.so.3", f"-Wl,-rpath,{lib}"]
     return CUDAExtension(
         name="moe_ep._C",
         sources=sources,
         include_dirs=include_dirs,
         library_dirs=library_dirs,
         libraries=libraries,
-        extra_compile_args={"cxx": cxx_flags, "nvcc": nvcc_flags},
+        extra_compile_args=compile_args,
         extra_link_args=extra_link,
     )
 

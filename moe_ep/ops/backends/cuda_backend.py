@@ -20,8 +20,8 @@ from ..config import Config
 from ..handles import DispatchHandle, LowLatencyHandle
 from ..routing import NUM_MAX_NVL_PEERS, DispatchLayout
 from .base import CommBackend, DispatchResult, LowLatencyDispatchResult, RecvHook
+from .cuda_low_latency import LowLatencyRuntime, low_latency_available
 
-_LOW_LATENCY = "low-latency mode: not built yet"
 _DEFAULT_TIMEOUT_S = 10.0
 
 
@@ -47,7 +47,7 @@ def _all_gather_bytes(record: bytes, group: dist.ProcessGroup, num_ranks: int, d
 
 
 class CudaBackend(CommBackend):
-    """Normal-mode dispatch/combine with NVLink kernels; low-latency mode is not built yet."""
+    """Normal-mode dispatch/combine with NVLink kernels; low-latency mode over NVSHMEM (delegated)."""
 
     name = "cuda"
 
@@ -73,6 +73,12 @@ class CudaBackend(CommBackend):
         self._runtime = _ext().NvlRuntime(rank, num_ranks, num_nvl_bytes, timeout_s)
         handles = _all_gather_bytes(self._runtime.local_handle(), group, num_ranks, self.device)
         self._runtime.open_peers(handles)
+        self._low_latency: Optional[LowLatencyRuntime] = None
+        if low_latency_mode and num_rdma_bytes > 0:
+            if not low_latency_available():
+                raise RuntimeError("low_latency_mode: moe_ep._C was built without NVSHMEM (install the "
+                                   "nvidia-nvshmem-cu12/cu13 wheel or set NVSHMEM_DIR, then rebuild)")
+            self._low_latency = LowLatencyRuntime(group, rank, num_ranks, num_rdma_bytes)
 
     @staticmethod
     def is_available() -> bool:
@@ -140,44 +146,31 @@ class CudaBackend(CommBackend):
             config.num_max_nvl_chunked_send_tokens, config.num_max_nvl_chunked_recv_tokens)
         return combined, combined_weights
 
-    # ------------------------------------------------------------------ low-latency mode (issue 4)
+    # ------------------------------------------------------------------ low-latency mode
 
-    def low_latency_dispatch(
-        self,
-        x: torch.Tensor,
-        topk_idx: torch.Tensor,
-        num_max_dispatch_tokens_per_rank: int,
-        num_experts: int,
-        cumulative_local_expert_recv_stats: Optional[torch.Tensor],
-        dispatch_wait_recv_cost_stats: Optional[torch.Tensor],
-        use_fp8: bool,
-        round_scale: bool,
-        use_ue8m0: bool,
-        return_recv_hook: bool,
-    ) -> tuple[LowLatencyDispatchResult, Optional[RecvHook]]:
-        raise NotImplementedError(_LOW_LATENCY)
+    def _low_latency_runtime(self) -> LowLatencyRuntime:
+        if self._low_latency is None:
+            raise ValueError("num_rdma_bytes: low-latency mode needs low_latency_mode=True and a symmetric buffer "
+                             "(num_rdma_bytes >= Buffer.get_low_latency_rdma_size_hint(...))")
+        return self._low_latency
 
-    def low_latency_combine(
-        self,
-        x: torch.Tensor,
-        topk_idx: torch.Tensor,
-        topk_weights: torch.Tensor,
-        handle: LowLatencyHandle,
-        zero_copy: bool,
-        return_recv_hook: bool,
-        out: Optional[torch.Tensor],
-        combine_wait_recv_cost_stats: Optional[torch.Tensor],
-    ) -> tuple[torch.Tensor, Optional[RecvHook]]:
-        raise NotImplementedError(_LOW_LATENCY)
+    def low_latency_dispatch(self, *args, **kwargs) -> tuple[LowLatencyDispatchResult, Optional[RecvHook]]:
+        return self._low_latency_runtime().low_latency_dispatch(*args, **kwargs)
+
+    def low_latency_combine(self, *args, **kwargs) -> tuple[torch.Tensor, Optional[RecvHook]]:
+        return self._low_latency_runtime().low_latency_combine(*args, **kwargs)
 
     def get_next_low_latency_combine_buffer(self, handle: LowLatencyHandle) -> torch.Tensor:
-        raise NotImplementedError(_LOW_LATENCY)
+        return self._low_latency_runtime().get_next_low_latency_combine_buffer(handle)
 
     def clean_low_latency_buffer(self, num_max_dispatch_tokens_per_rank: int, hidden: int, num_experts: int) -> None:
-        raise NotImplementedError(_LOW_LATENCY)
+        self._low_latency_runtime().clean_low_latency_buffer(num_max_dispatch_tokens_per_rank, hidden, num_experts)
 
     def destroy(self) -> None:
         """Wait for this rank's kernels and every peer, then unmap and free the NVLink buffer."""
+        if self._low_latency is not None:
+            self._low_latency.destroy()
+            self._low_latency = None
         torch.cuda.synchronize(self.device)
         dist.barrier(group=self.group, device_ids=[self.device.index])
         self._runtime.destroy()
