@@ -75,7 +75,10 @@ def _cuda_extension():
     sources = _sources()
     # No -std here: BuildExtension picks the standard the installed torch headers need (C++17 or 20);
     # the kernels themselves stay valid C++17 (CI compiles them alone).
-    nvcc_flags = ["-O3", "--expt-relaxed-constexpr", "-lineinfo"]
+    # torch's default nvcc flags hide the half/bfloat16 operators, which NVSHMEM's headers use.
+    nvcc_flags = ["-O3", "--expt-relaxed-constexpr", "-lineinfo"] + [
+        f"-U__CUDA_NO_{kind}__" for kind in ("HALF_OPERATORS", "HALF_CONVERSIONS", "HALF2_OPERATORS",
+                                             "BFLOAT16_OPERATORS", "BFLOAT16_CONVERSIONS", "BFLOAT162_OPERATORS")]
     cxx_flags = ["-O3"]
     library_dirs: list[str] = []
     libraries: list[str] = []
