@@ -3,7 +3,10 @@
     python examples/train_deepseek_v3.py                 # 2 CPU ranks over gloo (NCCL + CUDA on GPUs)
     python examples/train_deepseek_v3.py --world 4 --steps 600
     torchrun --nproc-per-node 2 examples/train_deepseek_v3.py
+    python examples/train_deepseek_v3.py --stop-at 100   # save and stop early (as if preempted), then
     python examples/train_deepseek_v3.py --resume        # continue from the last checkpoint
+    python examples/convert_checkpoint.py runs/deepseek_v3/checkpoint runs/deepseek_v3/full.pt
+    python examples/train_deepseek_v3.py --world 1 --init-from runs/deepseek_v3/full.pt --steps 0  # evaluate
     python examples/train_deepseek_v3.py --short         # CI: tiny model, a few steps, asserts learning
 
 The model: byte tokens, RMSNorm, rotary multi-head attention, a dense SwiGLU first layer and
@@ -56,7 +59,7 @@ class ModelArgs:
     topk_group: int = 2
     moe_intermediate: int = 96
     routed_scaling_factor: float = 2.5
-    bias_update_rate: float = 1e-3
+    bias_update_rate: float = 1e-2  # DeepSeek-V3 uses 1e-3 over far longer runs
     seq_aux_loss_coeff: float = 1e-4
 
     def moe_config(self) -> MoEConfig:

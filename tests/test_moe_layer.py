@@ -185,10 +185,12 @@ def dense_moe(c: Case, world: int) -> tuple[list[dict], dict[str, torch.Tensor]]
     xs, loss_weights = rank_tokens(c, world, dtype)
     inter = cfg.moe_intermediate_size
 
+    # Unbound once: indexing the stacked weights per use would give every use a full-size gradient.
+    gate_ups, downs = params["experts.gate_up_proj"].unbind(0), params["experts.down_proj"].unbind(0)
+
     def expert(e: int, x: torch.Tensor) -> torch.Tensor:
-        gate_up = params["experts.gate_up_proj"][e]
-        h = F.silu(gate_up[:inter] @ x) * (gate_up[inter:] @ x)
-        return params["experts.down_proj"][e] @ h
+        h = F.silu(gate_ups[e][:inter] @ x) * (gate_ups[e][inter:] @ x)
+        return downs[e] @ h
 
     def shared(x: torch.Tensor) -> torch.Tensor:
         h = F.silu(params["shared_experts.gate_proj.weight"] @ x) * (params["shared_experts.up_proj.weight"] @ x)

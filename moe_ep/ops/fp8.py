@@ -27,7 +27,10 @@ UE8M0_PER_INT32 = 4
 
 
 def _scale_from_amax(amax: torch.Tensor, round_scale: bool) -> torch.Tensor:
-    scale = amax.float().clamp(min=AMAX_FLOOR) / FP8_MAX
+    amax = amax.float().clamp(min=AMAX_FLOOR)
+    # A tensor divisor: torch on CUDA turns division by a Python scalar into a multiplication by its
+    # reciprocal, which rounds differently from the IEEE division the kernels do.
+    scale = amax / torch.full_like(amax, FP8_MAX)
     if round_scale:
         scale = torch.exp2(torch.ceil(torch.log2(scale)))
     return scale
