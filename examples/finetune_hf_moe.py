@@ -47,13 +47,15 @@ def tiny_qwen3_moe(short: bool) -> Qwen3MoeForCausalLM:
     return Qwen3MoeForCausalLM(config)
 
 
-def load_model(path: str | None, short: bool) -> tuple[PreTrainedModel, Callable[[str], list[int]]]:
-    """The model to tune and its text encoder (bytes for the tiny model)."""
+def load_model(path: str | None, short: bool, device: torch.device) -> tuple[PreTrainedModel, Callable[[str], list[int]]]:
+    """The model to tune, on `device` (BF16 on GPUs, float32 on CPUs), and its text encoder (bytes for
+    the tiny model)."""
     torch.manual_seed(0)  # the same initial weights on every rank
+    dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
     if path is None:
-        return tiny_qwen3_moe(short), lambda text: list(text.encode("utf-8"))
+        return tiny_qwen3_moe(short).to(device, dtype), lambda text: list(text.encode("utf-8"))
     tokenizer = AutoTokenizer.from_pretrained(path, local_files_only=True)
-    model = AutoModelForCausalLM.from_pretrained(path, local_files_only=True, dtype=torch.float32)
+    model = AutoModelForCausalLM.from_pretrained(path, local_files_only=True, dtype=dtype).to(device)
     return model, lambda text: tokenizer(text)["input_ids"]
 
 
@@ -71,32 +73,31 @@ def init_single_process() -> None:
 
 
 @torch.no_grad()
+def window_losses(model: torch.nn.Module, windows: torch.Tensor) -> torch.Tensor:
+    """Mean next-token loss of each window `[B, S]`."""
+    logits = model(input_ids=windows).logits[:, :-1].float()
+    return torch.nn.functional.cross_entropy(logits.transpose(1, 2), windows[:, 1:], reduction="none").mean(1)
+
+
 def evaluate(model: torch.nn.Module, loader: DataLoader, accelerator: Accelerator) -> float:
     """Mean next-token loss over the evaluation set (padding duplicates dropped)."""
     model.eval()
-    sums = []
-    for (batch,) in loader:
-        logits = model(input_ids=batch).logits[:, :-1].float()
-        per_window = torch.nn.functional.cross_entropy(logits.transpose(1, 2), batch[:, 1:], reduction="none").mean(1)
-        sums.append(accelerator.gather_for_metrics(per_window))
+    losses = torch.cat([accelerator.gather_for_metrics(window_losses(model, batch)) for (batch,) in loader])
     model.train()
-    return torch.cat(sums).mean().item()
+    return losses.mean().item()
 
 
 def reload_and_evaluate(state: dict[str, torch.Tensor], model: PreTrainedModel, out_dir: Path,
                         windows: torch.Tensor) -> float:
-    """Save `state` as a plain transformers checkpoint, load it back unswapped and evaluate it."""
+    """Save `state` as a plain transformers checkpoint, load it back (unswapped, on the CPU) and
+    return its mean loss over `windows`."""
     plain = type(model)(model.config)
     plain.load_state_dict(state)
     plain.save_pretrained(out_dir)
-    reloaded = type(model).from_pretrained(out_dir).eval()
-    with torch.no_grad():
-        logits = reloaded(input_ids=windows).logits[:, :-1].float()
-    losses = torch.nn.functional.cross_entropy(logits.transpose(1, 2), windows[:, 1:], reduction="none")
-    return losses.mean(1).mean().item()
+    return window_losses(type(model).from_pretrained(out_dir).eval(), windows).mean().item()
 
 
-def main() -> None:
+def parse_args() -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--model", help="local transformers checkpoint folder (default: a tiny random Qwen3-MoE)")
     parser.add_argument("--data", default=str(DATA), help="UTF-8 text file")
@@ -110,35 +111,24 @@ def main() -> None:
     args = parser.parse_args()
     if args.short:
         args.seq_len, args.epochs, args.lr = 64, 1.0, 5e-3
+    return args
 
-    accelerator = Accelerator(cpu=not torch.cuda.is_available())
-    init_single_process()
+
+def train(model: torch.nn.Module, optimizer: torch.optim.Optimizer, train_loader: DataLoader, eval_loader: DataLoader,
+          accelerator: Accelerator, steps: int, args: argparse.Namespace) -> list[tuple[int, float]]:
+    """`steps` optimizer steps (10 warm-up, then linear decay to a tenth); returns the evaluation
+    losses by step."""
     world = accelerator.num_processes
-    model, encode = load_model(args.model, args.short)
-    # A group of its own for the expert all-to-alls, apart from DDP's gradient all-reduces.
-    replaced = replace_moe_blocks(model, group=dist.new_group(list(range(world))))
-    DistributedDataParallel._set_params_and_buffers_to_ignore_for_model(model, ddp_ignored_names(model))
-
-    train_set, eval_set = window_datasets(encode(Path(args.data).read_text(encoding="utf-8")), args.seq_len)
-    train_loader = DataLoader(train_set, batch_size=args.batch, shuffle=True, drop_last=True,
-                              generator=torch.Generator().manual_seed(0))
-    eval_loader = DataLoader(eval_set, batch_size=args.batch)
-    steps = max(1, math.ceil(args.epochs * len(train_loader) / world))
-    optimizer = torch.optim.AdamW(model.parameters(), lr=args.lr, weight_decay=0.0)
-    model, optimizer, train_loader, eval_loader = accelerator.prepare(model, optimizer, train_loader, eval_loader)
-
-    accelerator.print(f"{replaced} MoE blocks on {world} ranks ({accelerator.device}, "
-                      f"{dist.get_backend()}); {steps} steps of {world} x {args.batch} x {args.seq_len} tokens")
     history = [(0, evaluate(model, eval_loader, accelerator))]
     bar = tqdm(total=steps, desc="fine-tune", disable=not accelerator.is_local_main_process, dynamic_ncols=True)
     step = 0
     while step < steps:
         for (batch,) in train_loader:
-            for group in optimizer.param_groups:  # 10 warm-up steps, then linear decay to a tenth
+            for group in optimizer.param_groups:
                 group["lr"] = args.lr * min(1.0, (step + 1) / 10) * (1 - 0.9 * step / steps)
             out = model(input_ids=batch, labels=batch, output_router_logits=True)
             accelerator.backward(out.loss)
-            scale_expert_gradients(model, world)
+            scale_expert_gradients(model, world)  # DDP averaged the rest
             optimizer.step()
             optimizer.zero_grad(set_to_none=True)
             step += 1
@@ -151,6 +141,29 @@ def main() -> None:
             if step == steps:
                 break
     bar.close()
+    return history
+
+
+def main() -> None:
+    args = parse_args()
+    accelerator = Accelerator(cpu=not torch.cuda.is_available())
+    init_single_process()
+    world = accelerator.num_processes
+    model, encode = load_model(args.model, args.short, accelerator.device)
+    # A group of its own for the expert all-to-alls, apart from DDP's gradient all-reduces.
+    replaced = replace_moe_blocks(model, group=dist.new_group(list(range(world))))
+    DistributedDataParallel._set_params_and_buffers_to_ignore_for_model(model, ddp_ignored_names(model))
+
+    train_set, eval_set = window_datasets(encode(Path(args.data).read_text(encoding="utf-8")), args.seq_len)
+    train_loader = DataLoader(train_set, batch_size=args.batch, shuffle=True, drop_last=True,
+                              generator=torch.Generator().manual_seed(0))
+    eval_loader = DataLoader(eval_set, batch_size=args.batch)
+    steps = max(1, math.ceil(args.epochs * len(train_loader) / world))
+    optimizer = torch.optim.AdamW(model.parameters(), lr=args.lr, weight_decay=0.0)
+    model, optimizer, train_loader, eval_loader = accelerator.prepare(model, optimizer, train_loader, eval_loader)
+    accelerator.print(f"{replaced} MoE blocks on {world} ranks ({accelerator.device}, "
+                      f"{dist.get_backend()}); {steps} steps of {world} x {args.batch} x {args.seq_len} tokens")
+    history = train(model, optimizer, train_loader, eval_loader, accelerator, steps, args)
 
     state = hf_state_dict(accelerator.unwrap_model(model))  # collective: gathers the experts
     if accelerator.is_main_process:

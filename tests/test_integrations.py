@@ -11,6 +11,7 @@ import torch.distributed as dist
 
 transformers = pytest.importorskip("transformers")
 
+from moe_ep.integrations import sync_gradients  # noqa: E402
 from moe_ep.integrations.transformers import hf_state_dict, replace_moe_blocks  # noqa: E402
 
 VOCAB = 61
@@ -94,3 +95,27 @@ def _check_swap(rank: int, world: int, family: str) -> None:
 @pytest.mark.parametrize("family", ["mixtral", "qwen2_moe", "qwen3_moe", "deepseek_v3"])
 def test_swap_matches_reference(dist_pool, family: str, world: int) -> None:
     dist_pool(world).run(_check_swap, family)
+
+
+def _check_data_parallel(rank: int, world: int) -> None:
+    """Each rank's half of a batch through the swapped model, then `sync_gradients`: the gradients of
+    the whole batch through the unswapped model (replicated ones everywhere, each expert on its owner)."""
+    reference = _tiny_model("deepseek_v3")
+    swapped = copy.deepcopy(reference)
+    replace_moe_blocks(swapped)
+    torch.manual_seed(7)
+    ids = torch.randint(0, VOCAB, (2 * world, 12))
+    reference(input_ids=ids, labels=ids).loss.backward()
+    mine = ids.chunk(world)[rank]
+    swapped(input_ids=mine, labels=mine).loss.backward()
+    sync_gradients(swapped)
+    reference_params = dict(reference.named_parameters())
+    for name, param in swapped.named_parameters():
+        want = reference_params[_hf_name(swapped, name)].grad
+        if ".moe.experts." in name:
+            want = want[rank * param.size(0):(rank + 1) * param.size(0)]
+        torch.testing.assert_close(param.grad, want, rtol=1e-4, atol=1e-6, msg=lambda m: f"{name}: {m}")
+
+
+def test_sync_gradients_matches_whole_batch(dist_pool) -> None:
+    dist_pool(2).run(_check_data_parallel)
