@@ -59,8 +59,9 @@ class MoELayer(nn.Module):
 
     `forward(hidden [..., H])` is differentiable: router -> `MoETokenDispatcher` (normal or
     low-latency, per `config.dispatch_mode`) -> `GroupedMLP` -> combine. On CUDA the shared
-    experts run on a side stream while the dispatch is in flight; CUDA events order the streams
-    and autograd replays the same streams and orderings in backward. `decode(hidden)` is the
+    experts run on a side stream while the dispatch is in flight; CUDA events order the streams in
+    forward, and in backward autograd runs each op on its forward's stream and synchronizes the
+    streams wherever a gradient crosses them (PyTorch's stream semantics of backward passes). `decode(hidden)` is the
     inference path for small batches (see its docstring).
 
     `buffer` defaults to the process's shared buffer for `group` (`shared_buffer`). Set
@@ -169,6 +170,8 @@ class MoELayer(nn.Module):
             self._side_streams[x.device] = torch.cuda.Stream(device=x.device)
         side = self._side_streams[x.device]
         side.wait_stream(torch.cuda.current_stream(x.device))
+        # `x` may be freed by whichever graph node releases it last, possibly while the side stream reads it.
+        x.record_stream(side)
         with torch.cuda.stream(side):
             out = self.shared_experts(x)
             done = torch.cuda.Event()
