@@ -38,6 +38,7 @@ CASES = [
     Case("fp8_ue8m0_hidden_2944", hidden=2944, topk=1, use_fp8=True, round_scale=True, use_ue8m0=True,
          tokens=(5, 7, 3, 6), max_tokens=8),
     Case("hooks_zero_copy_out", use_fp8=True, round_scale=True, hook=True, zero_copy=True, use_out=True),
+    Case("fp8_empty_rank", tokens=(6, 0, 9, 0), use_fp8=True, topk=3),
     Case("topk16_skewed_empty_rank", tokens=(12, 0, 7, 16), max_tokens=16, topk=16, experts_per_rank=5,
          routing="skewed"),
 ]

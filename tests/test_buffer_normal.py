@@ -35,6 +35,7 @@ CASES = [
     Case("float32_hidden_36", dtype="float32", hidden=36, num_sms=4, alignment=3),
     Case("num_worst_tokens", worst_extra=5, alignment=2),
     Case("fp8", use_fp8=True, hidden=512, num_sms=8),
+    Case("fp8_zero_tokens", use_fp8=True, tokens=(20, 0, 13, 0)),
     Case("topk_32", experts_per_rank=12, topk=32, hidden=128, tokens=(9, 12, 3, 7)),
 ]
 

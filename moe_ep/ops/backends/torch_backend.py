@@ -35,7 +35,12 @@ def _all_gather_into_tensor(output: torch.Tensor, tensor: torch.Tensor, group: d
 
 def _as_bytes(tensor: torch.Tensor) -> torch.Tensor:
     """Rows of `tensor` (any dtype) as a `[N, row_bytes]` uint8 view."""
-    return tensor.contiguous().view(tensor.size(0), math.prod(tensor.shape[1:])).view(torch.uint8)
+    row_elements = math.prod(tensor.shape[1:])
+    if tensor.numel() == 0:
+        # Empty tensors count as contiguous whatever their strides, which can forbid the byte view.
+        return torch.empty(tensor.size(0), row_elements * tensor.element_size(), dtype=torch.uint8,
+                           device=tensor.device)
+    return tensor.contiguous().view(tensor.size(0), row_elements).view(torch.uint8)
 
 
 class _RowCodec:
