@@ -36,6 +36,7 @@ CASES = [
     Case("num_worst_tokens", worst_extra=5, alignment=2),
     Case("fp8", use_fp8=True, hidden=512, num_sms=8),
     Case("fp8_zero_tokens", use_fp8=True, tokens=(20, 0, 13, 0)),
+    Case("single_row_fp32_top2", tokens=(1, 0, 0, 0), dtype="float32", hidden=36, topk=2, routing="skewed"),
     Case("topk_32", experts_per_rank=12, topk=32, hidden=128, tokens=(9, 12, 3, 7)),
 ]
 

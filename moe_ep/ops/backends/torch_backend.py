@@ -66,9 +66,9 @@ class _RowCodec:
     def unpack(self, rows: torch.Tensor) -> list[torch.Tensor]:
         out, start = [], 0
         for (dtype, shape), width in zip(self.templates, self.widths):
-            piece = rows[:, start:start + width]
-            # An empty slice keeps odd strides that forbid reinterpreting the bytes; start it afresh.
-            piece = piece.contiguous() if piece.size(0) else piece.new_empty((0, width))
+            # A fresh copy: a slice of zero or one row counts as contiguous but keeps the packed row's
+            # stride, which forbids reinterpreting its bytes as a wider dtype.
+            piece = rows[:, start:start + width].clone(memory_format=torch.contiguous_format)
             out.append(piece.view(dtype).view(rows.size(0), *shape))
             start += width
         return out
