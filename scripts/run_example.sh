@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
-# Sets up moe_ep and runs the main job: the example on 2 CPU ranks (NCCL + CUDA kernels on GPUs).
+# Sets up moe_ep and runs the main job: DeepSeek-V3-style MoE training on 2 CPU ranks over gloo
+# (a few minutes on 2 cores; NCCL + CUDA kernels on GPUs).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 EXTRAS=examples bash scripts/setup.sh
-"${PYTHON:-python3}" examples/dispatch_combine_demo.py "$@"
+"${PYTHON:-python3}" examples/train_deepseek_v3.py "$@"
