@@ -99,13 +99,15 @@ def check_topk_values(name: str, topk_idx: torch.Tensor, num_experts: int) -> No
     """Expert ids in `[-1, num_experts)` and no expert selected twice by one token."""
     if topk_idx.numel() == 0 or not value_checks_enabled():
         return
-    low, high = int(topk_idx.min()), int(topk_idx.max())
-    if low < -1 or high >= num_experts:
-        bad = low if low < -1 else high
-        raise ValueError(f"{name}: expert ids must be -1 (masked) or in [0, {num_experts}), found {bad}")
+    out_of_range = (topk_idx < -1) | (topk_idx >= num_experts)
     ordered = topk_idx.sort(dim=1).values
     repeated = (ordered[:, 1:] == ordered[:, :-1]) & (ordered[:, 1:] >= 0)
-    if bool(repeated.any()):
+    # One host synchronization for both checks; the details are looked up only on failure.
+    any_out_of_range, any_repeated = torch.stack([out_of_range.any(), repeated.any()]).tolist()
+    if any_out_of_range:
+        bad = int(topk_idx[out_of_range][0])
+        raise ValueError(f"{name}: expert ids must be -1 (masked) or in [0, {num_experts}), found {bad}")
+    if any_repeated:
         token = int(repeated.any(1).nonzero()[0])
         raise ValueError(f"{name}: token {token} selects the same expert more than once: {topk_idx[token].tolist()}")
 
