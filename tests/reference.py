@@ -33,6 +33,11 @@ def to_cpu(value: object) -> object:
     return value
 
 
+def tokens_for(tokens: tuple[int, ...], world: int) -> list[int]:
+    """Tokens per rank for any world size: the case's list, repeated as needed."""
+    return [tokens[rank % len(tokens)] for rank in range(world)]
+
+
 def make_inputs(seed: int, world: int, num_tokens: list[int], hidden: int, num_experts: int, num_topk: int,
                 dtype: torch.dtype = torch.bfloat16, routing: str = "random", mask_prob: float = 0.2) -> list[RankInputs]:
     """Random tokens and routing for every rank. `routing`: "random" (uniform experts, masked slots),

@@ -12,7 +12,7 @@ import moe_ep
 from moe_ep.ops import fp8
 from moe_ep.ops.routing import unpack_layout_range
 from reference import (low_latency_combine_reference, low_latency_expert_output, low_latency_reference,
-                       make_inputs, to_cpu)
+                       make_inputs, to_cpu, tokens_for)
 
 
 @dataclass(frozen=True)
@@ -48,7 +48,7 @@ def _low_latency_round_trip(rank: int, world: int, case: dict, device: str = "cp
     """Every low-latency output of `backend` on `device` against the dense reference (exact order)."""
     c = Case(**case)
     num_experts = c.experts_per_rank * world
-    inputs = make_inputs(77 + world, world, list(c.tokens[:world]), c.hidden, num_experts, c.topk, routing=c.routing)
+    inputs = make_inputs(77 + world, world, tokens_for(c.tokens, world), c.hidden, num_experts, c.topk, routing=c.routing)
     mine = inputs[rank].to(device)
     hint = moe_ep.Buffer.get_low_latency_rdma_size_hint(c.max_tokens, c.hidden, world, num_experts)
     buffer = moe_ep.Buffer(dist.group.WORLD, num_rdma_bytes=hint, low_latency_mode=True, backend=backend)
@@ -120,3 +120,10 @@ def _low_latency_round_trip(rank: int, world: int, case: dict, device: str = "cp
 def test_low_latency_matches_reference(dist_pool, world: int, case: Case) -> None:
     received = dist_pool(world).run(_low_latency_round_trip, asdict(case))
     assert sum(received) > 0
+
+
+def test_eight_ranks(dist_pool) -> None:
+    """EP8 low-latency mode on the torch backend, FP8 with UE8M0 scales and hooks."""
+    case = Case("eight_ranks", tokens=(5, 9, 0, 3, 7, 2, 8, 4), max_tokens=10, experts_per_rank=3, topk=5,
+                use_fp8=True, round_scale=True, use_ue8m0=True, hidden=512, hook=True)
+    assert sum(dist_pool(8).run(_low_latency_round_trip, asdict(case))) > 0

@@ -10,7 +10,8 @@ import torch.distributed as dist
 
 import moe_ep
 from moe_ep.ops import fp8
-from reference import combine_reference, dispatch_reference, expert_output, make_inputs, to_cpu
+from reference import (combine_reference, dispatch_reference, expert_output, make_inputs, to_cpu,
+                       tokens_for)
 
 
 @dataclass(frozen=True)
@@ -45,7 +46,7 @@ def _normal_round_trip(rank: int, world: int, case: dict, device: str = "cpu", b
     """Every normal-mode output of `backend` on `device` against the dense reference (on the CPU)."""
     c = Case(**case)
     num_experts = c.experts_per_rank * world
-    inputs = make_inputs(1234 + world, world, list(c.tokens[:world]), c.hidden, num_experts, c.topk,
+    inputs = make_inputs(1234 + world, world, tokens_for(c.tokens, world), c.hidden, num_experts, c.topk,
                          dtype=getattr(torch, c.dtype), routing=c.routing)
     mine = inputs[rank].to(device)
     buffer = moe_ep.Buffer(dist.group.WORLD, backend=backend)
@@ -140,3 +141,9 @@ def test_tokens_per_node() -> None:
     topk_idx = torch.tensor([[0, 5], [1, -1], [6, 7], [-1, -1]])
     layout = routing.dispatch_layout(topk_idx, num_experts=8, num_ranks=4, num_ranks_per_node=2)
     assert layout.num_tokens_per_rdma_rank.tolist() == [2, 2]
+
+
+def test_eight_ranks(dist_pool) -> None:
+    """EP8 (one full node's worth of ranks, as on an 8-GPU machine) on the torch backend."""
+    case = Case("eight_ranks", tokens=(11, 0, 7, 19, 3, 8, 14, 5), experts_per_rank=4, alignment=2)
+    assert sum(dist_pool(8).run(_normal_round_trip, asdict(case))) > 0

@@ -20,7 +20,7 @@ import moe_ep
 from moe_ep.layers import MoEConfig, MoELayer, MoETokenDispatcher
 from moe_ep.ops import fp8
 from moe_ep.ops.routing import expert_major_layout, static_layout_rows
-from reference import make_inputs, to_cpu
+from reference import make_inputs, to_cpu, tokens_for
 
 DEAD_EXPERT = 1  # the router's bias keeps every token away from this expert: it receives nothing
 
@@ -122,7 +122,7 @@ def make_config(c: Case, world: int) -> MoEConfig:
         routed_scaling_factor=2.5 if sigmoid else 1.0, enable_expert_bias=True, n_shared_experts=c.n_shared,
         shared_expert_gate=c.shared_gate and c.n_shared > 0, expert_alignment=c.alignment,
         use_fp8_dispatch=c.fp8_dispatch, use_fp8_experts=c.fp8_experts, dispatch_mode=c.dispatch_mode,
-        num_worst_tokens=sum(c.tokens[:world]) if c.static else 0,
+        num_worst_tokens=sum(tokens_for(c.tokens, world)) if c.static else 0,
         low_latency_max_tokens=max(c.tokens) if c.dispatch_mode == "low_latency" else None)
 
 
@@ -150,8 +150,8 @@ def full_state(cfg: MoEConfig, seed: int = 3) -> dict[str, torch.Tensor]:
 def rank_tokens(c: Case, world: int, dtype: torch.dtype) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
     """Every rank's input tokens and loss weights (the output gradient)."""
     gen = torch.Generator().manual_seed(17 + world)
-    xs = [torch.randn(t, c.hidden, generator=gen, dtype=torch.float64).to(dtype) for t in c.tokens[:world]]
-    loss_weights = [torch.randn(t, c.hidden, generator=gen, dtype=torch.float64) for t in c.tokens[:world]]
+    xs = [torch.randn(t, c.hidden, generator=gen, dtype=torch.float64).to(dtype) for t in tokens_for(c.tokens, world)]
+    loss_weights = [torch.randn(t, c.hidden, generator=gen, dtype=torch.float64) for t in tokens_for(c.tokens, world)]
     return xs, loss_weights
 
 
@@ -346,10 +346,10 @@ def _expert_scale(global_expert: int) -> float:
 def _dispatch_layout(rank: int, world: int, case: dict, device: str = "cpu", backend: str = "torch") -> dict:
     c = DispatchCase(**case)
     num_experts = c.experts_per_rank * world
-    mine = make_inputs(5 + world, world, list(c.tokens[:world]), c.hidden, num_experts, c.topk)[rank].to(device)
+    mine = make_inputs(5 + world, world, tokens_for(c.tokens, world), c.hidden, num_experts, c.topk)[rank].to(device)
     cfg = MoEConfig(hidden_size=c.hidden, moe_intermediate_size=128, num_experts=num_experts,
                     num_experts_per_tok=c.topk, expert_alignment=c.alignment, use_fp8_dispatch=c.fp8,
-                    num_worst_tokens=sum(c.tokens[:world]) if c.static else 0)
+                    num_worst_tokens=sum(tokens_for(c.tokens, world)) if c.static else 0)
     dispatcher = MoETokenDispatcher(cfg, moe_ep.Buffer(dist.group.WORLD, backend=backend))
     routed = dispatcher.dispatch(mine.x, mine.topk_idx, mine.topk_weights)
     with pytest.raises(RuntimeError, match="not been combined"):

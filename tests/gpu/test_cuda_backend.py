@@ -18,13 +18,13 @@ import torch.distributed as dist
 
 import moe_ep
 from moe_ep.ops import fp8
-from reference import expert_output, make_inputs
+from reference import expert_output, make_inputs, tokens_for
 
 pytestmark = pytest.mark.skipif(
     not (torch.cuda.is_available() and importlib.util.find_spec("moe_ep._C") is not None),
     reason="needs a CUDA device and the built moe_ep._C extension")
 
-WORLDS = [2, 3, 4]
+WORLDS = [2, 3, 4, 8]  # 8 runs where 8 GPUs exist (the pool skips it otherwise)
 NVL_BYTES = 1 << 30
 _BUFFERS: dict[str, moe_ep.Buffer] = {}
 
@@ -87,7 +87,7 @@ def _same(a: object, b: object, what: str) -> None:
 
 def _inputs(c: Case, rank: int, world: int, seed: int) -> tuple[object, torch.Tensor, torch.Tensor, int]:
     num_experts = c.experts_per_rank * world
-    inputs = make_inputs(seed, world, list(c.tokens[:world]), c.hidden, num_experts, c.topk,
+    inputs = make_inputs(seed, world, tokens_for(c.tokens, world), c.hidden, num_experts, c.topk,
                          dtype=getattr(torch, c.dtype), routing=c.routing)
     mine = inputs[rank].to("cuda")
     x: object = mine.x
@@ -134,7 +134,7 @@ def _compare_backends(rank: int, world: int, case: dict, seed: int = 1234, async
     c = Case(**case)
     torch_buf, cuda_buf = _buffers(dist.group.WORLD)
     x, topk_idx, topk_weights, num_experts = _inputs(c, rank, world, seed + world)
-    num_worst = sum(c.tokens[:world]) + c.num_worst_extra if c.num_worst_extra >= 0 else 0
+    num_worst = sum(tokens_for(c.tokens, world)) + c.num_worst_extra if c.num_worst_extra >= 0 else 0
     gen = torch.Generator().manual_seed(99 + rank)
     shape = (c.tokens[rank], c.hidden)
     bias = tuple(torch.randn(shape, generator=gen).to(getattr(torch, c.dtype)).cuda() for _ in range(c.with_bias))

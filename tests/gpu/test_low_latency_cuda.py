@@ -21,7 +21,7 @@ from moe_ep.ops.backends.cuda_low_latency import LowLatencyRuntime, low_latency_
 from moe_ep.ops.backends.torch_backend import TorchBackend
 from moe_ep.ops.config import low_latency_buffer_bytes
 from moe_ep.ops.routing import unpack_layout_range
-from reference import make_inputs
+from reference import make_inputs, tokens_for
 
 needs_gpu = pytest.mark.skipif(not torch.cuda.is_available() or not low_latency_available(),
                                reason="needs CUDA GPUs and moe_ep._C built with NVSHMEM")
@@ -159,7 +159,7 @@ def _assert_bf16_close(got: torch.Tensor, want: torch.Tensor) -> None:
 
 def _inputs(c: Case, world: int, rank: int, seed: int):
     num_experts = c.experts_per_rank * world
-    inputs = make_inputs(seed, world, list(c.tokens[:world]), c.hidden, num_experts, c.topk, routing=c.routing)
+    inputs = make_inputs(seed, world, tokens_for(c.tokens, world), c.hidden, num_experts, c.topk, routing=c.routing)
     return inputs[rank].to("cuda"), num_experts
 
 
@@ -178,7 +178,7 @@ def _compare_case(rank: int, world: int, case: dict, seed: int = 1234) -> int:
 
 
 @needs_gpu
-@pytest.mark.parametrize("world", [2, 3, 4])
+@pytest.mark.parametrize("world", [2, 3, 4, 8])
 @pytest.mark.parametrize("case", CASES, ids=lambda c: c.name)
 def test_low_latency_cuda_matches_torch(nccl_pool, world: int, case: Case) -> None:
     received = nccl_pool(world).run(_compare_case, asdict(case), timeout=600)

@@ -54,7 +54,7 @@ def bound(case: cpu.Case) -> float:
     return cpu.FLOAT64_BOUND if case.dtype == "float64" else cpu.BF16_BOUND
 
 
-@pytest.mark.parametrize("world", [2, 4])
+@pytest.mark.parametrize("world", [2, 4, 8])
 @pytest.mark.parametrize("case", LAYER_CASES, ids=lambda c: c.name)
 def test_layer_matches_dense_reference_on_gpu(nccl_pool, world: int, case: cpu.Case) -> None:
     got = nccl_pool(world).run(cpu._layer_grads, asdict(case), "cuda", backend_for(case))
