@@ -26,7 +26,6 @@ import os
 import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
-from typing import Optional
 
 import torch
 import torch.distributed as dist
@@ -119,21 +118,15 @@ class Attention(nn.Module):
 
 
 class SequenceMoE(nn.Module):
-    """`MoELayer` over `[B, S, H]` whose router sees sequences of `S` tokens (for the sequence-wise
+    """`MoELayer` over `[B, S, H]` (its router sees sequences of `S` tokens for the sequence-wise
     balance loss), run in `compute_dtype`."""
 
     def __init__(self, moe: MoELayer, compute_dtype: torch.dtype) -> None:
         super().__init__()
         self.moe = moe
         self.compute_dtype = compute_dtype
-        self._seq_len: Optional[int] = None
-        moe.router.register_forward_pre_hook(self._pass_seq_len, with_kwargs=True)
-
-    def _pass_seq_len(self, router: nn.Module, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
-        return args, {**kwargs, "seq_len": self._seq_len}
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        self._seq_len = x.size(1)
         return self.moe(x.to(self.compute_dtype))
 
 

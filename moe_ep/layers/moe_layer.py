@@ -107,10 +107,14 @@ class MoELayer(nn.Module):
         """Global ids `[begin, end)` of the experts on this rank."""
         return self.rank * self.num_local_experts, (self.rank + 1) * self.num_local_experts
 
-    def forward(self, hidden: torch.Tensor) -> torch.Tensor:
-        """MoE output of `hidden [..., H]`, same shape and dtype."""
+    def forward(self, hidden: torch.Tensor, seq_len: Optional[int] = None) -> torch.Tensor:
+        """MoE output of `hidden [..., H]`, same shape and dtype. Tokens form sequences of `seq_len`
+        for the sequence-wise aux loss: by default the second-to-last dimension of a `[B, S, H]` input,
+        one sequence for `[T, H]`."""
+        if seq_len is None and hidden.dim() == 3:
+            seq_len = hidden.size(1)
         x = hidden.reshape(-1, self.config.hidden_size)
-        topk_idx, topk_weights = self.router(x)
+        topk_idx, topk_weights = self.router(x, seq_len=seq_len)
         shared = self._start_shared(x)
         routed = self.dispatcher.dispatch(x, topk_idx, topk_weights)
         out = self.dispatcher.combine(self._run_experts(routed)).to(x.dtype)
