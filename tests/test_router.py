@@ -323,3 +323,12 @@ def test_config_resolves_defaults() -> None:
     assert cfg.shared_expert_intermediate_size == 512
     assert cfg.expert_alignment == 16
     assert MoEConfig(128, 256, 16, 4).expert_alignment == 1
+
+
+def test_gate_stays_fp32_under_autocast() -> None:
+    router = TopKRouter(MoEConfig(hidden_size=64, moe_intermediate_size=32, num_experts=8, num_experts_per_tok=2))
+    x = torch.randn(33, 64, generator=torch.Generator().manual_seed(4))
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        idx_autocast, weights_autocast = router(x)
+    idx, weights = router(x)
+    assert torch.equal(idx_autocast, idx) and torch.equal(weights_autocast, weights)

@@ -93,7 +93,8 @@ class TopKRouter(nn.Module):
         x = hidden.float()
         if self.training and cfg.input_jitter_eps > 0:
             x = x * torch.empty_like(x).uniform_(1 - cfg.input_jitter_eps, 1 + cfg.input_jitter_eps)
-        logits = F.linear(x, self.weight.float())
+        with torch.autocast(device_type=x.device.type, enabled=False):  # the gate stays in fp32
+            logits = F.linear(x, self.weight.float())
 
         scores = self._scores(logits)
         topk_idx = self._select(scores.detach())
