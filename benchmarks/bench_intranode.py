@@ -19,48 +19,21 @@ import itertools
 import json
 import os
 import queue
-import socket
-import statistics
 import time
-from typing import Callable
 
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
 import moe_ep
+from moe_ep.launch import free_port
 from moe_ep.ops import fp8
+from timing import median_time_us
 
 NVL_BYTES = 2 << 30
 # DeepEP does no value checks of topk_idx; time the communication, not the front end's input checks.
 os.environ.setdefault("MOE_EP_CHECK_VALUES", "0")
 PIPELINE_LAGS = (1, 3, 0, 12)  # bulk stores in flight per storer thread; 0 = the default (half the stages)
-
-
-def _free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
-
-
-def _time_us(fn: Callable[[], object], warmup: int, iters: int) -> float:
-    """Median wall time of `fn` on the GPU (CUDA events), each run started in step with every rank."""
-    for _ in range(warmup):
-        fn()
-    times = []
-    for _ in range(iters):
-        torch.cuda.synchronize()
-        dist.barrier()
-        torch.cuda.synchronize()
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        fn()
-        end.record()
-        end.synchronize()
-        times.append(start.elapsed_time(end) * 1e3)
-    median = torch.tensor([statistics.median(times)], device="cuda")
-    dist.all_reduce(median, op=dist.ReduceOp.MAX)  # the slowest rank bounds the collective
-    return float(median.item())
 
 
 def _workload(rank: int, world: int, tokens: int, hidden: int, num_experts: int, topk: int, seed: int):
@@ -103,12 +76,12 @@ class Bench:
         row_fp8 = self.hidden + self.hidden // 128 * 4
         out: dict[str, float] = {}
         for name, use_fp8, row in (("dispatch_bf16", False, row_bf16), ("dispatch_fp8", True, row_fp8)):
-            t = _time_us(lambda: self.dispatch(dispatch_config, use_fp8), self.warmup, self.iters)
+            t = median_time_us(lambda: self.dispatch(dispatch_config, use_fp8), self.warmup, self.iters)
             out[f"{name}_us"] = t
             out[f"{name}_deepep_gbs"] = self.recv_rows * row / t / 1e3
             out[f"{name}_remote_gbs"] = self.remote_rows * row / t / 1e3
         recv_x, _, recv_w, _, handle, _ = self.dispatch(dispatch_config, False)
-        t = _time_us(lambda: self.buffer.combine(recv_x, handle, topk_weights=recv_w, config=combine_config),
+        t = median_time_us(lambda: self.buffer.combine(recv_x, handle, topk_weights=recv_w, config=combine_config),
                      self.warmup, self.iters)
         out["combine_bf16_us"] = t
         out["combine_bf16_deepep_gbs"] = self.recv_rows * row_bf16 / t / 1e3
@@ -116,14 +89,14 @@ class Bench:
         return out
 
     def measure_layout(self) -> float:
-        return _time_us(lambda: self.buffer.get_dispatch_layout(self.topk_idx, self.num_experts), self.warmup,
+        return median_time_us(lambda: self.buffer.get_dispatch_layout(self.topk_idx, self.num_experts), self.warmup,
                         self.iters)
 
     def measure_nccl(self) -> dict[str, float]:
         """all_to_all_single of the same remote BF16 rows (each rank sends what dispatch sends remotely)."""
         send = torch.randn(sum(self.send_remote), self.hidden, device="cuda").to(torch.bfloat16)
         recv = torch.empty(sum(self.recv_remote), self.hidden, device="cuda", dtype=torch.bfloat16)
-        t = _time_us(lambda: dist.all_to_all_single(recv, send, self.recv_remote, self.send_remote), self.warmup,
+        t = median_time_us(lambda: dist.all_to_all_single(recv, send, self.recv_remote, self.send_remote), self.warmup,
                      self.iters)
         return {"nccl_a2a_us": t, "nccl_a2a_remote_gbs": self.remote_rows * self.hidden * 2 / t / 1e3,
                 "nccl_a2a_deepep_equiv_gbs": self.recv_rows * self.hidden * 2 / t / 1e3}
@@ -197,7 +170,7 @@ def _worker(rank: int, world: int, port: int, args: argparse.Namespace, results)
 def _run_world(world: int, args: argparse.Namespace) -> dict:
     ctx = mp.get_context("spawn")
     results = ctx.Queue()
-    port = _free_port()
+    port = free_port()
     procs = [ctx.Process(target=_worker, args=(r, world, port, args, results)) for r in range(world)]
     for proc in procs:
         proc.start()

@@ -21,7 +21,6 @@ import argparse
 import datetime
 import json
 import os
-import socket
 import statistics
 import sys
 from typing import Callable
@@ -30,37 +29,10 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
+from moe_ep.launch import free_port
 from moe_ep.ops.backends.cuda_low_latency import LowLatencyRuntime
 from moe_ep.ops.config import low_latency_buffer_bytes
-
-
-def _free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
-
-
-def _slowest(value: float) -> float:
-    tensor = torch.tensor([value], device="cuda")
-    dist.all_reduce(tensor, op=dist.ReduceOp.MAX)
-    return float(tensor.item())
-
-
-def _event_time_us(fn: Callable[[], object], warmup: int, iters: int) -> float:
-    """Median GPU time of `fn` started in step on every rank (host barrier, then CUDA events)."""
-    for _ in range(warmup):
-        fn()
-    times = []
-    for _ in range(iters):
-        torch.cuda.synchronize()
-        dist.barrier()
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        fn()
-        end.record()
-        end.synchronize()
-        times.append(start.elapsed_time(end) * 1e3)
-    return _slowest(statistics.median(times))
+from timing import median_time_us, slowest_rank
 
 
 def _kernel_times_us(fn: Callable[[], object], warmup: int, iters: int, names: list[str]) -> list[float]:
@@ -80,7 +52,7 @@ def _kernel_times_us(fn: Callable[[], object], warmup: int, iters: int, names: l
     if len(kernels) != iters * len(names):
         raise RuntimeError(f"profiler saw {len(kernels)} low-latency kernels, expected {iters * len(names)}")
     per_slot = [[kernels[i * len(names) + j].time_range.elapsed_us() for i in range(iters)] for j in range(len(names))]
-    return [_slowest(statistics.median(times)) for times in per_slot]
+    return [slowest_rank(statistics.median(times)) for times in per_slot]
 
 
 def _routing(tokens: int, num_experts: int, topk: int, seed: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -141,12 +113,12 @@ def _measure(runtime: LowLatencyRuntime, tokens: int, args: argparse.Namespace) 
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph, capture_error_mode="thread_local"):  # the NCCL watchdog thread runs on
         pair()
-    pair_us = _event_time_us(graph.replay, args.warmup, args.iters)
+    pair_us = median_time_us(graph.replay, args.warmup, args.iters)
 
     dispatch_msg, combine_msg = hidden + hidden // 128 * 4, 2 * hidden
-    remote = _slowest(_remote_messages(topk_idx, num_experts))
-    nccl_dispatch_us = _event_time_us(_nccl_exchange(topk_idx, num_experts, dispatch_msg), args.warmup, args.iters)
-    nccl_combine_us = _event_time_us(_nccl_exchange(topk_idx, num_experts, combine_msg), args.warmup, args.iters)
+    remote = slowest_rank(_remote_messages(topk_idx, num_experts))
+    nccl_dispatch_us = median_time_us(_nccl_exchange(topk_idx, num_experts, dispatch_msg), args.warmup, args.iters)
+    nccl_combine_us = median_time_us(_nccl_exchange(topk_idx, num_experts, combine_msg), args.warmup, args.iters)
     torch.cuda.synchronize()
     dist.barrier()
     del graph, first
@@ -199,7 +171,7 @@ def main() -> None:
         sys.exit(f"needs {args.world} GPUs, found {torch.cuda.device_count()}")
     ctx = mp.get_context("spawn")
     results = ctx.Queue()
-    port = _free_port()
+    port = free_port()
     procs = [ctx.Process(target=_worker, args=(r, args.world, port, args, results)) for r in range(args.world)]
     for proc in procs:
         proc.start()

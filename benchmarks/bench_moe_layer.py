@@ -22,8 +22,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import statistics
-from typing import Callable
 
 import torch
 import torch.distributed as dist
@@ -33,25 +31,7 @@ from moe_ep.layers import MoEConfig, MoELayer, MoETokenDispatcher
 from moe_ep.layers.moe_layer import shared_buffer
 from moe_ep.ops import fp8
 from moe_ep.ops.backends import cuda_extension_available
-
-
-def time_us(fn: Callable[[], object], warmup: int, iters: int) -> float:
-    """Median GPU time of `fn` (CUDA events), every run started in step with all ranks; slowest rank."""
-    for _ in range(warmup):
-        fn()
-    times = []
-    for _ in range(iters):
-        torch.cuda.synchronize()
-        dist.barrier()
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        fn()
-        end.record()
-        end.synchronize()
-        times.append(start.elapsed_time(end) * 1e3)
-    median = torch.tensor([statistics.median(times)], device="cuda")
-    dist.all_reduce(median, op=dist.ReduceOp.MAX)
-    return float(median.item())
+from timing import median_time_us
 
 
 def make_config(args: argparse.Namespace, use_fp8: bool) -> MoEConfig:
@@ -125,7 +105,7 @@ def expert_results(bench: LayerBench, args: argparse.Namespace) -> dict[str, flo
                 out = experts(tokens.detach().requires_grad_(), counts, tokens_per_expert_list=counts_list)
             out.backward(grad)
 
-        return time_us(step, args.warmup, args.iters)
+        return median_time_us(step, args.warmup, args.iters)
 
     result = {"rows": tokens.size(0), "bf16_us": run(False, False), "fp8_us": run(True, False),
               "fp8_tokens_us": run(True, True)}
@@ -144,8 +124,8 @@ def run(rank: int, world: int, device: torch.device, args: argparse.Namespace) -
         for use_fp8 in (False, True):
             bench.use(backend, use_fp8)
             name = f"{backend}_{'fp8' if use_fp8 else 'bf16'}"
-            total = time_us(bench.layer_step, args.warmup, args.iters)
-            comm = time_us(bench.dispatcher_round_trip, args.warmup, args.iters)
+            total = median_time_us(bench.layer_step, args.warmup, args.iters)
+            comm = median_time_us(bench.dispatcher_round_trip, args.warmup, args.iters)
             layer[name] = {"fwd_bwd_us": total, "comm_us": comm, "comm_share": comm / total}
             if rank == 0:
                 print(f"{name}: {layer[name]}", flush=True)

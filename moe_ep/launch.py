@@ -16,7 +16,8 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 
-def _free_port() -> int:
+def free_port() -> int:
+    """An unused TCP port on the loopback interface, for a process group's rendezvous."""
     with socket.socket() as sock:
         sock.bind(("127.0.0.1", 0))
         return sock.getsockname()[1]
@@ -53,4 +54,4 @@ def launch(fn: Callable[..., Any], world_size: int, *args: Any) -> None:
         finally:
             dist.destroy_process_group()
         return
-    mp.spawn(_entry, args=(world_size, _free_port(), fn, args), nprocs=world_size, join=True)
+    mp.spawn(_entry, args=(world_size, free_port(), fn, args), nprocs=world_size, join=True)

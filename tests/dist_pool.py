@@ -11,20 +11,15 @@ from __future__ import annotations
 import datetime
 import os
 import queue
-import socket
 import traceback
 from typing import Any, Callable
 
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
+from moe_ep.launch import free_port
+
 GLOO_TIMEOUT_S = 30
-
-
-def _free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
 
 
 def _worker(rank: int, world: int, port: int, backend: str, tasks: Any, results: Any) -> None:
@@ -58,7 +53,7 @@ class DistPool:
         self.world = world
         self.tasks = [ctx.Queue() for _ in range(world)]
         self.results = ctx.Queue()
-        port = _free_port()
+        port = free_port()
         self.procs = [ctx.Process(target=_worker, args=(r, world, port, backend, self.tasks[r], self.results),
                                 daemon=True)
                       for r in range(world)]
