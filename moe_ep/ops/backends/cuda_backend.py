@@ -20,6 +20,7 @@ from ..config import Config
 from ..handles import DispatchHandle, LowLatencyHandle
 from ..routing import NUM_MAX_NVL_PEERS, DispatchLayout
 from .base import CommBackend, DispatchResult, LowLatencyDispatchResult, RecvHook
+from .collectives import all_gather_bytes
 from .cuda_low_latency import LowLatencyRuntime, low_latency_available
 
 _DEFAULT_TIMEOUT_S = 10.0
@@ -34,16 +35,6 @@ def _ext():
 def is_sm90_compiled() -> bool:
     """Whether `moe_ep._C` holds kernels compiled for Hopper (sm_90)."""
     return CudaBackend.is_available() and bool(_ext().is_sm90_compiled())
-
-
-def _all_gather_bytes(record: bytes, group: dist.ProcessGroup, num_ranks: int, device: torch.device) -> list[bytes]:
-    """Every rank's `record` (same length everywhere), gathered as a uint8 tensor collective."""
-    mine = torch.frombuffer(bytearray(record), dtype=torch.uint8).to(device)
-    table = torch.empty(num_ranks * mine.numel(), dtype=torch.uint8, device=device)
-    gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
-    gather(table, mine, group=group)
-    rows = table.view(num_ranks, -1).cpu()
-    return [bytes(row.tolist()) for row in rows]
 
 
 class CudaBackend(CommBackend):
@@ -71,7 +62,7 @@ class CudaBackend(CommBackend):
         self.device = torch.device("cuda", torch.cuda.current_device())
         timeout_s = float(os.environ.get("MOE_EP_TIMEOUT_S", _DEFAULT_TIMEOUT_S))
         self._runtime = _ext().NvlRuntime(rank, num_ranks, num_nvl_bytes, timeout_s)
-        handles = _all_gather_bytes(self._runtime.local_handle(), group, num_ranks, self.device)
+        handles = all_gather_bytes(self._runtime.local_handle(), group, num_ranks, self.device)
         self._runtime.open_peers(handles)
         self._low_latency: Optional[LowLatencyRuntime] = None
         if low_latency_mode and num_rdma_bytes > 0:

@@ -38,6 +38,7 @@ from .. import fp8
 from ..handles import LowLatencyHandle
 from ..routing import ceil_div
 from .base import LowLatencyDispatchResult, RecvHook
+from .collectives import all_gather_bytes, broadcast_bytes
 
 _SEND, _RECV = 1, 2
 _MAX_IN_FLIGHT = 2  # operations sent but not yet received: one per half of the buffer
@@ -59,21 +60,9 @@ def low_latency_available() -> bool:
         return False
 
 
-def _broadcast_bytes(record: Optional[bytes], size: int, group: dist.ProcessGroup, device: torch.device) -> bytes:
-    """Rank 0's `record` on every rank, through a tensor collective."""
-    tensor = torch.zeros(size, dtype=torch.uint8, device=device)
-    if record is not None:
-        tensor.copy_(torch.frombuffer(bytearray(record), dtype=torch.uint8))
-    dist.broadcast(tensor, src=dist.get_global_rank(group, 0), group=group)
-    return bytes(tensor.cpu().tolist())
-
-
 def _single_host(group: dist.ProcessGroup, num_ranks: int, device: torch.device) -> bool:
-    host = torch.tensor([zlib.crc32(socket.gethostname().encode())], dtype=torch.int64, device=device)
-    hosts = torch.empty(num_ranks, dtype=torch.int64, device=device)
-    gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor  # renamed in torch 2.13
-    gather(hosts, host, group=group)
-    return bool((hosts == hosts[0]).all())
+    host = zlib.crc32(socket.gethostname().encode()).to_bytes(4, "little")
+    return len(set(all_gather_bytes(host, group, num_ranks, device))) == 1
 
 
 def _init_nvshmem(group: dist.ProcessGroup, rank: int, num_ranks: int, device: torch.device) -> None:
@@ -91,7 +80,7 @@ def _init_nvshmem(group: dist.ProcessGroup, rank: int, num_ranks: int, device: t
         os.environ.setdefault("NVSHMEM_REMOTE_TRANSPORT", "none")
     runtime = _ext().NvshmemRuntime
     unique_id = runtime.create_unique_id() if rank == 0 else None
-    runtime.init(_broadcast_bytes(unique_id, runtime.unique_id_bytes(), group, device), rank, num_ranks)
+    runtime.init(broadcast_bytes(unique_id, runtime.unique_id_bytes(), group, device), rank, num_ranks)
     _nvshmem_members = members
 
 

@@ -20,17 +20,12 @@ from ..handles import DispatchHandle, LowLatencyHandle
 from ..routing import DispatchLayout
 from ..validation import PeerInputError
 from .base import CommBackend, DispatchResult, LowLatencyDispatchResult, RecvHook
+from .collectives import all_gather_into
 
 # Fixed width of the settings vector every rank contributes to `agree` (op id, error flag, fields).
 _AGREE_WIDTH = 24
 _OPS = ("get_dispatch_layout", "dispatch", "cached_dispatch", "combine", "low_latency_dispatch",
         "low_latency_combine", "clean_low_latency_buffer")
-
-
-def _all_gather_into_tensor(output: torch.Tensor, tensor: torch.Tensor, group: dist.ProcessGroup) -> None:
-    # torch >= 2.13 renames all_gather_into_tensor; older releases only have the old name.
-    gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
-    gather(output, tensor, group=group)
 
 
 def _as_bytes(tensor: torch.Tensor) -> torch.Tensor:
@@ -87,7 +82,7 @@ class TorchBackend(CommBackend):
 
     def _all_gather_rows(self, row: torch.Tensor) -> torch.Tensor:
         out = torch.empty(self.num_ranks * row.numel(), dtype=row.dtype, device=row.device)
-        _all_gather_into_tensor(out, row.contiguous(), self.group)
+        all_gather_into(out, row.contiguous(), self.group)
         return out.view(self.num_ranks, -1)
 
     def _all_to_all(
