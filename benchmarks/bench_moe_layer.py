@@ -39,7 +39,9 @@ def make_config(args: argparse.Namespace, use_fp8: bool) -> MoEConfig:
         hidden_size=args.hidden, moe_intermediate_size=args.inter, num_experts=args.experts,
         num_experts_per_tok=args.topk, score_func="sigmoid", norm_topk_prob=True, n_group=8, topk_group=4,
         routed_scaling_factor=2.5, n_shared_experts=1, use_fp8_dispatch=use_fp8, use_fp8_experts=use_fp8,
-        num_worst_tokens=args.tokens * dist.get_world_size() if args.static_layout else 0)
+        # One layout for both precisions: FP8 GEMMs need aligned expert segments, and BF16 vs FP8 experts
+        # are compared on the same tokens.
+        expert_alignment=16, num_worst_tokens=args.tokens * dist.get_world_size() if args.static_layout else 0)
 
 
 class LayerBench:
