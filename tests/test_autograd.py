@@ -16,21 +16,23 @@ HIDDEN = 128
 TOPK = 3
 
 
-def _scales(world: int) -> tuple[torch.Tensor, list[torch.Tensor], list[torch.Tensor]]:
+def _scales(world: int, device: str = "cpu") -> tuple[torch.Tensor, list[torch.Tensor], list[torch.Tensor]]:
     """Per-rank expert scale vectors, loss weights and biases, identical on every process."""
     gen = torch.Generator().manual_seed(5)
     per_rank_scale = torch.randn(world, HIDDEN, generator=gen, dtype=torch.float64)
     loss_weights = [torch.randn(TOKENS[r], HIDDEN, generator=gen, dtype=torch.float64) for r in range(world)]
     biases = [torch.randn(TOKENS[r], HIDDEN, generator=gen, dtype=torch.float64) for r in range(world)]
-    return per_rank_scale, loss_weights, biases
+    return per_rank_scale.to(device), [w.to(device) for w in loss_weights], [b.to(device) for b in biases]
 
 
-def _normal_grads(rank: int, world: int, use_fp8: bool) -> tuple[torch.Tensor, ...]:
+def _normal_grads(rank: int, world: int, use_fp8: bool, device: str = "cpu",
+                  backend: str = "torch") -> tuple[torch.Tensor, ...]:
     num_experts = 4 * world
     dtype = torch.bfloat16 if use_fp8 else torch.float64
-    mine = make_inputs(11, world, TOKENS[:world], HIDDEN, num_experts, TOPK, dtype=dtype)[rank]
-    per_rank_scale, loss_weights, biases = _scales(world)
-    buffer = moe_ep.Buffer(dist.group.WORLD, backend="torch")
+    mine = make_inputs(11, world, TOKENS[:world], HIDDEN, num_experts, TOPK, dtype=dtype)[rank].to(device)
+    per_rank_scale, loss_weights, biases = _scales(world, device)
+    nvl_bytes = moe_ep.Buffer.get_dispatch_config(world).get_nvl_buffer_size_hint(HIDDEN * 8, world)
+    buffer = moe_ep.Buffer(dist.group.WORLD, nvl_bytes, backend=backend)
     x = mine.x.clone().requires_grad_()
     w = mine.topk_weights.clone().requires_grad_()
     bias = biases[rank].to(dtype).requires_grad_()
@@ -42,7 +44,7 @@ def _normal_grads(rank: int, world: int, use_fp8: bool) -> tuple[torch.Tensor, .
     y = tokens * per_rank_scale[rank].to(dtype) * out.recv_topk_weights.to(dtype).sum(1, keepdim=True)
     combined = ops.combine(buffer, y, out.handle, bias=bias)
     (combined.double() * loss_weights[rank]).sum().backward()
-    return x.grad.double(), w.grad.double(), bias.grad.double()
+    return x.grad.double().cpu(), w.grad.double().cpu(), bias.grad.double().cpu()
 
 
 def _dense_normal_grads(world: int, use_fp8: bool) -> list[tuple[torch.Tensor, ...]]:
@@ -71,21 +73,27 @@ def _dense_normal_grads(world: int, use_fp8: bool) -> list[tuple[torch.Tensor, .
     return grads
 
 
-@pytest.mark.parametrize("world", [2, 3])
-def test_normal_gradients_exact_in_float64(dist_pool, world: int) -> None:
-    got = dist_pool(world).run(_normal_grads, False)
+def check_float64_grads(got: list, world: int) -> None:
     for (gx, gw, gb), (rx, rw, rb) in zip(got, _dense_normal_grads(world, False)):
         torch.testing.assert_close(gx, rx, rtol=1e-12, atol=1e-12)
         torch.testing.assert_close(gw, rw.double(), rtol=1e-6, atol=1e-6)  # float32 weights
         torch.testing.assert_close(gb, rb, rtol=0, atol=0)
 
 
-def test_fp8_dispatch_gradients_straight_through(dist_pool) -> None:
-    got = dist_pool(2).run(_normal_grads, True)
-    for (gx, gw, _), (rx, rw, _) in zip(got, _dense_normal_grads(2, True)):
+def check_fp8_grads(got: list, world: int) -> None:
+    for (gx, gw, _), (rx, rw, _) in zip(got, _dense_normal_grads(world, True)):
         # BF16 gradients through bf16 expert math: compare with bf16-level tolerance, relative to scale.
         assert (gx - rx).norm() <= 2e-2 * rx.norm()
         assert (gw - rw).norm() <= 2e-2 * rw.norm()
+
+
+@pytest.mark.parametrize("world", [2, 3])
+def test_normal_gradients_exact_in_float64(dist_pool, world: int) -> None:
+    check_float64_grads(dist_pool(world).run(_normal_grads, False), world)
+
+
+def test_fp8_dispatch_gradients_straight_through(dist_pool) -> None:
+    check_fp8_grads(dist_pool(2).run(_normal_grads, True), 2)
 
 
 MAX_TOKENS = 16
@@ -95,26 +103,26 @@ def _expert_scale(global_expert: int) -> float:
     return 1 + global_expert / 8
 
 
-def _low_latency_grads(rank: int, world: int) -> tuple[torch.Tensor, torch.Tensor]:
+def _low_latency_grads(rank: int, world: int, device: str = "cpu",
+                       backend: str = "torch") -> tuple[torch.Tensor, torch.Tensor]:
     num_experts = 4 * world
     per_rank = num_experts // world
-    mine = make_inputs(21, world, TOKENS[:world], HIDDEN, num_experts, TOPK)[rank]
-    _, loss_weights, _ = _scales(world)
+    mine = make_inputs(21, world, TOKENS[:world], HIDDEN, num_experts, TOPK)[rank].to(device)
+    _, loss_weights, _ = _scales(world, device)
     hint = moe_ep.Buffer.get_low_latency_rdma_size_hint(MAX_TOKENS, HIDDEN, world, num_experts)
-    buffer = moe_ep.Buffer(dist.group.WORLD, num_rdma_bytes=hint, low_latency_mode=True, backend="torch")
+    buffer = moe_ep.Buffer(dist.group.WORLD, num_rdma_bytes=hint, low_latency_mode=True, backend=backend)
     x = mine.x.clone().requires_grad_()
     w = mine.topk_weights.clone().requires_grad_()
     out = ops.low_latency_dispatch(buffer, x, mine.topk_idx, MAX_TOKENS, num_experts)
-    scale = torch.tensor([_expert_scale(rank * per_rank + e) for e in range(per_rank)], dtype=torch.bfloat16)
+    scale = torch.tensor([_expert_scale(rank * per_rank + e) for e in range(per_rank)], dtype=torch.bfloat16,
+                         device=device)
     y = out.recv_x * scale[:, None, None]
     combined = ops.low_latency_combine(buffer, y, mine.topk_idx, w, out.handle)
     (combined.double() * loss_weights[rank]).sum().backward()
-    return x.grad.double(), w.grad.double()
+    return x.grad.double().cpu(), w.grad.double().cpu()
 
 
-def test_low_latency_gradients(dist_pool) -> None:
-    world = 3
-    got = dist_pool(world).run(_low_latency_grads)
+def check_low_latency_grads(got: list, world: int) -> None:
     _, loss_weights, _ = _scales(world)
     inputs = make_inputs(21, world, TOKENS[:world], HIDDEN, 4 * world, TOPK)
     for rank, ((gx, gw), inp) in enumerate(zip(got, inputs)):
@@ -127,3 +135,7 @@ def test_low_latency_gradients(dist_pool) -> None:
         assert (gx - x.grad).norm() <= 2e-2 * x.grad.norm()
         assert (gw - w.grad).norm() <= 2e-2 * w.grad.norm()
         assert (gw[~valid] == 0).all()
+
+
+def test_low_latency_gradients(dist_pool) -> None:
+    check_low_latency_grads(dist_pool(3).run(_low_latency_grads), 3)
