@@ -10,7 +10,7 @@ masked slots, CUDA-graph replay with new data, a repeated-seed pressure test and
 from __future__ import annotations
 
 import hashlib
-from dataclasses import asdict, dataclass, replace
+from dataclasses import asdict, replace
 import pytest
 import torch
 import torch.distributed as dist
@@ -22,41 +22,35 @@ from moe_ep.ops.backends.torch_backend import TorchBackend
 from moe_ep.ops.config import low_latency_buffer_bytes
 from moe_ep.ops.routing import unpack_layout_range
 from reference import make_inputs, tokens_for
+from test_buffer_low_latency import Case
 
 needs_gpu = pytest.mark.skipif(not torch.cuda.is_available() or not low_latency_available(),
                                reason="needs CUDA GPUs and moe_ep._C built with NVSHMEM")
 
 
-@dataclass(frozen=True)
-class Case:
-    name: str
-    tokens: tuple[int, ...] = (20, 9, 31, 14)
-    max_tokens: int = 32
-    hidden: int = 2048
-    experts_per_rank: int = 4
-    topk: int = 8
-    routing: str = "random"
-    use_fp8: bool = True
-    round_scale: bool = False
-    use_ue8m0: bool = False
-    hook: bool = False
-    zero_copy: bool = False
-    use_out: bool = False
+def gpu_case(name: str, **fields: object) -> Case:
+    """A case of the CPU test's table, defaulting to FP8, hidden 2048 and top-8 on GPUs."""
+    return Case(name, **{"hidden": 2048, "topk": 8, "use_fp8": True, **fields})
 
 
 CASES = [
-    Case("bf16_h128_top1", hidden=128, topk=1, use_fp8=False),
-    Case("fp8_h2048_top8"),
-    Case("fp8_round_h2944_top8_hook", hidden=2944, round_scale=True, hook=True),
-    Case("ue8m0_h2944_top1", hidden=2944, topk=1, round_scale=True, use_ue8m0=True, tokens=(5, 7, 3, 6), max_tokens=8),
-    Case("ue8m0_h7168_top8_hook_zero_copy", hidden=7168, round_scale=True, use_ue8m0=True, hook=True, zero_copy=True),
-    Case("bf16_h8192_top16_out", hidden=8192, topk=16, experts_per_rank=5, use_fp8=False, use_out=True),
-    Case("fp8_h7168_top16_skewed_empty_rank", hidden=7168, topk=16, experts_per_rank=5, routing="skewed",
-         tokens=(12, 0, 7, 16), max_tokens=16, hook=True, use_out=True),
-    Case("fp8_h7168_decode_shape", hidden=7168, tokens=(128, 128, 128, 128), max_tokens=128, experts_per_rank=64),
+    gpu_case("bf16_h128_top1", hidden=128, topk=1, use_fp8=False),
+    gpu_case("fp8_h2048_top8"),
+    gpu_case("fp8_round_h2944_top8_hook", hidden=2944, round_scale=True, hook=True),
+    gpu_case("ue8m0_h2944_top1", hidden=2944, topk=1, round_scale=True, use_ue8m0=True, tokens=(5, 7, 3, 6),
+             max_tokens=8),
+    gpu_case("ue8m0_h7168_top8_hook_zero_copy", hidden=7168, round_scale=True, use_ue8m0=True, hook=True,
+             zero_copy=True),
+    gpu_case("bf16_h8192_top16_out", hidden=8192, topk=16, experts_per_rank=5, use_fp8=False, use_out=True),
+    gpu_case("fp8_h7168_top16_skewed_empty_rank", hidden=7168, topk=16, experts_per_rank=5, routing="skewed",
+             tokens=(12, 0, 7, 16), max_tokens=16, hook=True, use_out=True),
+    gpu_case("fp8_h7168_decode_shape", hidden=7168, tokens=(128, 128, 128, 128), max_tokens=128,
+             experts_per_rank=64),
 ]
-# One symmetric buffer per worker process serves every case (changing sizes cleans it collectively).
-BUFFER_BYTES = max(low_latency_buffer_bytes(c.max_tokens, c.hidden, 4, c.experts_per_rank * 4) for c in CASES)
+# One symmetric buffer per worker process serves every case and world size (changing sizes cleans it).
+MAX_WORLD = 8
+BUFFER_BYTES = max(low_latency_buffer_bytes(c.max_tokens, c.hidden, MAX_WORLD, c.experts_per_rank * MAX_WORLD)
+                   for c in CASES)
 
 _runtimes: dict[int, LowLatencyRuntime] = {}
 
