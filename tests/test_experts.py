@@ -169,7 +169,7 @@ def test_grouped_mm_path_matches_reference(monkeypatch) -> None:
     module = make_experts()
     upstream = torch.randn(NUM_ROWS, HIDDEN, generator=generator(3), dtype=torch.float64)
     want = reference_with_grads(module, tokens(), upstream, routing_weights())
-    monkeypatch.setattr(experts_module, "_uses_grouped_mm", lambda x: x.dtype != torch.float64)
+    monkeypatch.setattr(experts_module, "_uses_grouped_mm", lambda x, seg: x.dtype != torch.float64)
     got = run_with_grads(clone_experts(module, torch.float32), tokens().float(), upstream,
                          routing_weights=routing_weights())
     for name, g, w in zip(("out", "dx", "dgate_up", "ddown"), got, want):
@@ -181,7 +181,7 @@ def test_grouped_mm_path_fp8_matches_loop_path(monkeypatch) -> None:
     module = make_experts(torch.bfloat16, use_fp8=True)
     upstream = torch.randn(NUM_ROWS, HIDDEN, generator=generator(3), dtype=torch.float64)
     want = run_with_grads(module, tokens().bfloat16(), upstream)
-    monkeypatch.setattr(experts_module, "_uses_grouped_mm", lambda x: x.dtype != torch.float64)
+    monkeypatch.setattr(experts_module, "_uses_grouped_mm", lambda x, seg: x.dtype != torch.float64)
     got = run_with_grads(clone_experts(module, torch.bfloat16, use_fp8=True), tokens().bfloat16(), upstream)
     for name, g, w in zip(("out", "dx", "dgate_up", "ddown"), got, want):
         assert torch.isfinite(g).all(), name

@@ -322,7 +322,7 @@ def test_config_resolves_defaults() -> None:
     cfg = MoEConfig(128, 256, 16, 4, n_shared_experts=2, use_fp8_experts=True)
     assert cfg.shared_expert_intermediate_size == 512
     assert cfg.expert_alignment == 16
-    assert MoEConfig(128, 256, 16, 4).expert_alignment == 1
+    assert MoEConfig(128, 256, 16, 4).expert_alignment == 8  # CUDA BF16 grouped GEMMs need 8-row groups
 
 
 def test_gate_stays_fp32_under_autocast() -> None:

@@ -14,6 +14,8 @@ DropPolicy = Literal["probs", "position"]
 DispatchMode = Literal["normal", "low_latency"]
 
 FP8_EXPERT_ALIGNMENT = 16
+# BF16 grouped GEMMs on CUDA need 16-byte aligned expert segments (their weight gradients contract over them).
+BF16_EXPERT_ALIGNMENT = 8
 
 
 def _require(ok: bool, field: str, expected: str, got: object) -> None:
@@ -29,7 +31,8 @@ class MoEConfig:
     `n_group`, `topk_group`, `routed_scaling_factor`). Fields left as `None` are resolved in
     `__post_init__`: `group_score_topk` to 2 for sigmoid (DeepSeek-V3) and 1 for softmax (the group
     maximum, DeepSeek-V2), `shared_expert_intermediate_size` to `n_shared_experts *
-    moe_intermediate_size`, `expert_alignment` to 16 when any FP8 path is on, else 1.
+    moe_intermediate_size`, `expert_alignment` to 16 when any FP8 path is on, else 8 (what the CUDA grouped
+    GEMMs need).
     """
 
     hidden_size: int
@@ -132,7 +135,7 @@ class MoEConfig:
 
     def _check_precision(self) -> None:
         if self.expert_alignment is None:
-            self.expert_alignment = FP8_EXPERT_ALIGNMENT if self.use_fp8 else 1
+            self.expert_alignment = FP8_EXPERT_ALIGNMENT if self.use_fp8 else BF16_EXPERT_ALIGNMENT
         _require(isinstance(self.expert_alignment, int) and self.expert_alignment >= 1, "expert_alignment",
                  "an int >= 1", self.expert_alignment)
         if self.use_fp8:

@@ -33,6 +33,8 @@ FP8Tokens = tuple[torch.Tensor, torch.Tensor]
 _GROUPED_MM = getattr(F, "grouped_mm", None) or getattr(torch, "_grouped_mm", None)
 # cuBLAS blockwise FP8 GEMMs want the rows of A in multiples of this.
 _SCALED_MM_ROW_MULTIPLE = 4
+GROUPED_MM_ROW_ALIGNMENT = 8
+"""Rows per expert segment (a multiple of) that the BF16 grouped GEMMs need on CUDA."""
 
 
 def swiglu(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
@@ -43,10 +45,12 @@ class ExpertSegments:
     """Which rows of a flattened expert-major `[N, ...]` tensor belong to which local expert."""
 
     def __init__(self, tokens_per_expert: torch.Tensor, num_rows: int, rows_per_expert: Optional[int] = None,
-                 tokens_per_expert_list: Optional[Sequence[int]] = None) -> None:
-        """Contiguous segments of `tokens_per_expert` rows, or (`rows_per_expert` given) fixed
-        segments of that many rows whose first `tokens_per_expert[e]` rows are valid."""
+                 tokens_per_expert_list: Optional[Sequence[int]] = None, alignment: int = 1) -> None:
+        """Contiguous segments of `tokens_per_expert` rows (each a multiple of `alignment`), or
+        (`rows_per_expert` given) fixed segments of that many rows whose first `tokens_per_expert[e]`
+        rows are valid."""
         device = tokens_per_expert.device
+        self.alignment = alignment if rows_per_expert is None else rows_per_expert
         rows = torch.arange(num_rows, device=device)
         if rows_per_expert is None:
             self.offsets = tokens_per_expert.cumsum(0).to(torch.int32)
@@ -80,8 +84,11 @@ class ExpertSegments:
         return torch.where(self.valid[:, None], rows, torch.zeros((), dtype=rows.dtype, device=rows.device))
 
 
-def _uses_grouped_mm(x: torch.Tensor) -> bool:
-    return _GROUPED_MM is not None and x.is_cuda and x.dtype == torch.bfloat16
+def _uses_grouped_mm(x: torch.Tensor, seg: ExpertSegments) -> bool:
+    # The weight-gradient GEMM contracts over each segment: CUDA needs 16-byte aligned groups there
+    # (8 BF16 rows) and asserts on the device otherwise, so unaligned segments take the loop.
+    return (_GROUPED_MM is not None and x.is_cuda and x.dtype == torch.bfloat16
+            and seg.alignment % GROUPED_MM_ROW_ALIGNMENT == 0)
 
 
 def grouped_linear(x: torch.Tensor, weight: torch.Tensor, seg: ExpertSegments) -> torch.Tensor:
@@ -91,7 +98,7 @@ def grouped_linear(x: torch.Tensor, weight: torch.Tensor, seg: ExpertSegments) -
     GEMM on CUDA BF16; elsewhere an exact loop over experts. Every expert's weight joins the
     autograd graph, even without rows, so its gradient is 0 rather than missing.
     """
-    if _uses_grouped_mm(x):
+    if _uses_grouped_mm(x, seg):
         return _GROUPED_MM(x, weight.transpose(-2, -1), offs=seg.offsets)
     parts = [x[begin:end] @ weight[e].t() for e, begin, end in seg.ranges()]
     return torch.cat(parts + [x.new_zeros(x.size(0) - seg.bounds[-1], weight.size(-2))])
@@ -99,7 +106,7 @@ def grouped_linear(x: torch.Tensor, weight: torch.Tensor, seg: ExpertSegments) -
 
 def grouped_weight_grad(grad: torch.Tensor, x: torch.Tensor, seg: ExpertSegments) -> torch.Tensor:
     """`grad[rows of e].T @ x[rows of e]` for every expert: `[N, M], [N, K] -> [E, M, K]`."""
-    if _uses_grouped_mm(x):
+    if _uses_grouped_mm(x, seg):
         return _GROUPED_MM(grad.t(), x, offs=seg.offsets)
     out = x.new_zeros(seg.offsets.numel(), grad.size(1), x.size(1))
     for e, begin, end in seg.ranges():
@@ -207,9 +214,12 @@ class GroupedMLP(nn.Module):
     """
 
     def __init__(self, num_local_experts: int, hidden_size: int, intermediate_size: int, *, use_fp8: bool = False,
-                 cache_fp8_weights: bool = False, device: Optional[torch.device] = None,
+                 cache_fp8_weights: bool = False, segment_alignment: int = 1, device: Optional[torch.device] = None,
                  dtype: Optional[torch.dtype] = None) -> None:
+        """`segment_alignment`: the multiple every contiguous expert segment is padded to (the
+        dispatcher's `expert_alignment`); BF16 grouped GEMMs on CUDA need a multiple of 8."""
         super().__init__()
+        self.segment_alignment = segment_alignment
         if use_fp8 and (hidden_size % BLOCK or intermediate_size % BLOCK):
             raise ValueError(f"use_fp8: hidden_size ({hidden_size}) and intermediate_size ({intermediate_size}) "
                              f"must be multiples of {BLOCK}")
@@ -260,7 +270,7 @@ class GroupedMLP(nn.Module):
         packed_shape = rows.shape if rows.dim() == 3 else None
         num_rows = rows.shape[:-1].numel()
         seg = ExpertSegments(tokens_per_expert, num_rows, None if packed_shape is None else packed_shape[1],
-                             tokens_per_expert_list)
+                             tokens_per_expert_list, self.segment_alignment)
         flat = (lambda t: t.flatten(0, 1)) if packed_shape is not None else (lambda t: t)  # noqa: E731
         carrier = None if carrier is None else flat(carrier)
         if is_fp8:

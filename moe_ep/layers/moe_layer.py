@@ -87,7 +87,8 @@ class MoELayer(nn.Module):
         factory = {"device": device, "dtype": dtype}
         self.router = TopKRouter(config).to(device)
         self.experts = GroupedMLP(self.num_local_experts, config.hidden_size, config.moe_intermediate_size,
-                                  use_fp8=config.use_fp8_experts, **factory)
+                                  use_fp8=config.use_fp8_experts, segment_alignment=config.expert_alignment,
+                                  **factory)
         self.shared_experts = None
         if config.n_shared_experts > 0:
             self.shared_experts = SharedExpertMLP(config.hidden_size, config.shared_expert_intermediate_size,
