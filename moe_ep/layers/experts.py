@@ -8,15 +8,19 @@ rows produce zero outputs and receive zero gradients.
 FP8 follows DeepSeek-V3: e4m3 activations with one scale per token per 128 channels, e4m3
 weights with one scale per 128x128 block (quantized from the parameters on every forward),
 FP32 accumulation, BF16 outputs; the SwiGLU output is re-quantized for the down projection.
-Backward runs in BF16 on the dequantized operands: it is the exact gradient of the computed
-function with the FP8 casts treated as identity (straight-through), so weight gradients use the
-dequantized activations the forward actually saw, and input gradients the dequantized weights.
+Backward is the gradient of the computed function with the FP8 casts treated as identity
+(straight-through), so weight gradients use the dequantized activations the forward actually saw,
+and input gradients the dequantized weights. It runs in BF16, except on CUDA with Triton (sm_90+),
+where both FP8 GEMMs and the input-gradient GEMMs run as blockwise-scaled FP8 grouped GEMMs
+(`fp8_grouped_gemm`): the output gradients are then cast to e4m3 (1x128) for the input-gradient
+GEMMs, one more rounding of the same straight-through gradient. Weight gradients stay BF16.
 """
 
 from __future__ import annotations
 
 import math
-from functools import cached_property
+from functools import cache, cached_property
+from types import ModuleType
 from typing import Optional, Sequence, Union
 
 import torch
@@ -114,6 +118,22 @@ def grouped_weight_grad(grad: torch.Tensor, x: torch.Tensor, seg: ExpertSegments
     return out
 
 
+@cache
+def _triton_fp8_gemms() -> Optional[ModuleType]:
+    """`fp8_grouped_gemm`, imported on first use (Triton is optional and slow to import), or None."""
+    try:
+        from . import fp8_grouped_gemm
+    except ImportError:
+        return None
+    return fp8_grouped_gemm
+
+
+def _triton_fp8_available(device: torch.device) -> bool:
+    """The Triton blockwise FP8 grouped GEMMs need FP8 tensor cores (sm_90+) and Triton."""
+    return (device.type == "cuda" and torch.cuda.get_device_capability(device) >= (9, 0)
+            and _triton_fp8_gemms() is not None)
+
+
 def _blockwise_fp8_gemm_available(device: torch.device) -> bool:
     """Blockwise (1x128 / 128x128) `F.scaled_mm` exists on sm_90 only (see `shared/ANCHORS.md`)."""
     return device.type == "cuda" and hasattr(F, "scaled_mm") and torch.cuda.get_device_capability(device) == (9, 0)
@@ -123,9 +143,13 @@ def fp8_grouped_linear(x: FP8Tokens, weight: FP8Tokens, seg: ExpertSegments) -> 
     """Blockwise-scaled `x[rows of e] @ weight[e].T` in FP32, rounded to BF16.
 
     `x` is `(q [N, K], scales [N, K/128] float32)`, `weight` `(q [E, M, K], scales [E, M/128, K/128])`.
-    On sm_90 this runs one cuBLAS FP8 GEMM per expert (UNTESTED on GPU; host-side bounds); elsewhere
-    it is the reference: the same products of dequantized values, accumulated in FP32.
+    Rows outside every segment are unspecified (callers mask them). On CUDA sm_90+ with Triton this
+    is one grouped FP8 GEMM with device offsets; on sm_90 without Triton, one cuBLAS FP8 GEMM per
+    expert (host-side bounds); elsewhere the reference: the same products of dequantized values,
+    accumulated in FP32.
     """
+    if _triton_fp8_available(x[0].device):
+        return _triton_fp8_gemms().fp8_grouped_mm(*x, *weight, seg.offsets)
     if _blockwise_fp8_gemm_available(x[0].device):
         return _scaled_mm_per_expert(x, weight, seg)
     dense_x = per_token_cast_back(*x, dtype=torch.float32)
@@ -151,6 +175,18 @@ def _scaled_mm_per_expert(x: FP8Tokens, weight: FP8Tokens, seg: ExpertSegments) 
             output_dtype=torch.bfloat16,
         )
     return out
+
+
+def fp8_grouped_input_grad(grad: torch.Tensor, weight: FP8Tokens, seg: ExpertSegments) -> torch.Tensor:
+    """`grad[rows of e] @ dequant(weight[e])`: the input gradient of `fp8_grouped_linear`, `[N, M] -> [N, K]`.
+
+    With Triton on CUDA, `grad` is cast to e4m3 (1x128 along M) and the product runs as an FP8
+    grouped GEMM; elsewhere in BF16 on the dequantized weight. Rows outside every segment are
+    unspecified.
+    """
+    if _triton_fp8_available(grad.device):
+        return _triton_fp8_gemms().fp8_grouped_dgrad(*per_token_cast_to_fp8(grad), *weight, seg.offsets)
+    return grouped_linear(grad, per_block_cast_back(*weight, grad.dtype).transpose(-2, -1), seg)
 
 
 class _FP8SwiGLU(torch.autograd.Function):
@@ -179,7 +215,7 @@ class _FP8SwiGLU(torch.autograd.Function):
         grad_y = seg.mask(grad_y.to(bf16).contiguous())
         h = per_token_cast_back(h_q, h_scales, bf16)
         grad_down = grouped_weight_grad(grad_y, h, seg)
-        grad_h = grouped_linear(grad_y, per_block_cast_back(down_q, down_scales, bf16).transpose(-2, -1), seg)
+        grad_h = fp8_grouped_input_grad(grad_y, (down_q, down_scales), seg)
         with torch.enable_grad():
             z_leaf = z.detach().requires_grad_()
             (grad_z,) = torch.autograd.grad(swiglu(*z_leaf.chunk(2, dim=-1)), z_leaf, seg.mask(grad_h))
@@ -187,8 +223,7 @@ class _FP8SwiGLU(torch.autograd.Function):
         grad_gate_up = grouped_weight_grad(grad_z, x, seg)
         grad_x = None
         if ctx.carrier_dtype is not None:
-            gate_up = per_block_cast_back(gu_q, gu_scales, bf16).transpose(-2, -1)
-            grad_x = seg.mask(grouped_linear(grad_z, gate_up, seg)).to(ctx.carrier_dtype)
+            grad_x = seg.mask(fp8_grouped_input_grad(grad_z, (gu_q, gu_scales), seg)).to(ctx.carrier_dtype)
         gate_up_dtype, down_dtype = ctx.weight_dtypes
         return None, None, grad_x, grad_gate_up.to(gate_up_dtype), grad_down.to(down_dtype), None, None
 
@@ -260,7 +295,7 @@ class GroupedMLP(nn.Module):
             carrier: with FP8 `x`, a zero-storage tensor shaped like `x` that receives the BF16
                 gradient with respect to the dequantized tokens.
             tokens_per_expert_list: host copy of `tokens_per_expert`, saving a device sync on the
-                paths that loop over experts (CPU, FP8 on GPU).
+                paths that loop over experts (CPU, FP8 on GPU without Triton).
 
         Returns the expert outputs shaped like `x`: BF16 on the FP8 path, else the dtype of `x`.
         """

@@ -1,0 +1,159 @@
+"""Grouped FP8 GEMM with DeepSeek-V3 blockwise scaling, in Triton.
+
+Computes, for every expert `e` owning a contiguous segment of rows of an expert-major `[N, K]`
+activation,
+
+    out[rows of e] = (a * a_scales) @ (b[e] * b_scales[e]).T
+
+with `a` e4m3 and one float32 scale per row per 128 columns (1x128), `b [E, N_OUT, K]` e4m3 with
+one float32 scale per 128x128 block. Each 128-wide K block is multiplied on the tensor cores and
+added to an FP32 accumulator with its two scales applied (as DeepGEMM does); the result is BF16.
+
+Segments are given by their cumulative ends on the device (`ExpertSegments.offsets`), so nothing
+syncs with the host: the launch grid is an upper bound on the row tiles (`cdiv(N, BLOCK_M) + E`,
+since every segment wastes at most one partial tile) and each program finds its expert by
+scanning the ends. Rows past the last segment are not written.
+
+Hopper's FP8 tensor-core instructions read both operands K-major (the contracted dimension
+contiguous in memory); other strides work but make Triton transpose tiles on chip, so the input
+gradient (`fp8_grouped_dgrad`) transposes the FP8 weight once in memory.
+"""
+
+from __future__ import annotations
+
+import os
+
+import torch
+import triton
+import triton.language as tl
+
+from ..ops.fp8 import BLOCK, FP8_DTYPE
+
+_INTERPRETED = os.environ.get("TRITON_INTERPRET") == "1"
+
+
+def _configs() -> list[triton.Config]:
+    """Tiles for H200 (BLOCK_K is fixed at the 128-wide scale block; BLOCK_N divides 128 so a
+    column tile sees one weight scale per K block). The interpreter gets one small tile."""
+    if _INTERPRETED:
+        return [triton.Config({"BLOCK_M": 32, "BLOCK_N": 64}, num_warps=4, num_stages=1)]
+    return [
+        triton.Config({"BLOCK_M": 128, "BLOCK_N": 128}, num_warps=8, num_stages=3),
+        triton.Config({"BLOCK_M": 128, "BLOCK_N": 128}, num_warps=8, num_stages=4),
+        triton.Config({"BLOCK_M": 128, "BLOCK_N": 128}, num_warps=4, num_stages=4),
+        triton.Config({"BLOCK_M": 64, "BLOCK_N": 128}, num_warps=4, num_stages=4),
+        triton.Config({"BLOCK_M": 128, "BLOCK_N": 64}, num_warps=4, num_stages=4),
+    ]
+
+
+# Tuned per output width and depth only: the row count changes every step with the routing.
+@triton.autotune(configs=_configs(), key=["N_OUT", "K"])
+@triton.jit
+def _grouped_mm_kernel(
+    a_ptr, a_scale_ptr, b_ptr, b_scale_ptr, out_ptr, ends_ptr,
+    num_experts, N_OUT, K,
+    stride_am, stride_ak, stride_asm, stride_ask,
+    stride_be, stride_bn, stride_bk, stride_bse, stride_bsn, stride_bsk,
+    stride_om, stride_on,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+):
+    pid = tl.program_id(0)
+    num_col_tiles = N_OUT // BLOCK_N
+    # Column tiles vary fastest: the programs resident together share one expert's rows and
+    # cover its whole weight, which then stays in L2.
+    col_tile = pid % num_col_tiles
+    row_slot = pid // num_col_tiles
+
+    # Which expert's row tile is `row_slot`? Segments are tiled independently, in order.
+    zero = pid * 0  # an int32 tensor, so the loop-carried values keep one type
+    expert = zero - 1
+    tile_begin = zero
+    tile_end = zero
+    seg_begin = zero
+    tiles_before = zero
+    for e in range(num_experts):
+        seg_end = tl.load(ends_ptr + e)
+        seg_tiles = (seg_end - seg_begin + BLOCK_M - 1) // BLOCK_M
+        hit = (row_slot >= tiles_before) & (row_slot < tiles_before + seg_tiles)
+        expert = tl.where(hit, e, expert)
+        tile_begin = tl.where(hit, seg_begin + (row_slot - tiles_before) * BLOCK_M, tile_begin)
+        tile_end = tl.where(hit, seg_end, tile_end)
+        tiles_before += seg_tiles
+        seg_begin = seg_end
+    if expert < 0:
+        return
+
+    rows = tile_begin + tl.arange(0, BLOCK_M)
+    row_mask = rows < tile_end
+    rows = rows.to(tl.int64)
+    cols = (col_tile * BLOCK_N + tl.arange(0, BLOCK_N)).to(tl.int64)
+    ks = tl.arange(0, BLOCK_K)
+    a_ptrs = a_ptr + rows[:, None] * stride_am + ks[None, :] * stride_ak
+    b_ptrs = b_ptr + expert.to(tl.int64) * stride_be + cols[None, :] * stride_bn + ks[:, None] * stride_bk
+    a_scale_ptrs = a_scale_ptr + rows * stride_asm
+    # BLOCK_N divides 128: the whole column tile lies in one 128-row block of the weight.
+    b_scale_ptrs = b_scale_ptr + expert * stride_bse + (col_tile * BLOCK_N // BLOCK_K) * stride_bsn
+
+    acc = tl.full((BLOCK_M, BLOCK_N), 0.0, dtype=tl.float32)
+    for _ in range(0, K // BLOCK_K):
+        a = tl.load(a_ptrs, mask=row_mask[:, None], other=0.0)
+        b = tl.load(b_ptrs)
+        a_scale = tl.load(a_scale_ptrs, mask=row_mask, other=0.0)
+        b_scale = tl.load(b_scale_ptrs)
+        # Scales are per K block, so they must be applied before blocks are summed.
+        acc += tl.dot(a, b, out_dtype=tl.float32) * (a_scale * b_scale)[:, None]
+        a_ptrs += BLOCK_K * stride_ak
+        b_ptrs += BLOCK_K * stride_bk
+        a_scale_ptrs += stride_ask
+        b_scale_ptrs += stride_bsk
+
+    out_ptrs = out_ptr + rows[:, None] * stride_om + cols[None, :] * stride_on
+    tl.store(out_ptrs, acc.to(tl.bfloat16), mask=row_mask[:, None])
+
+
+def fp8_grouped_mm(a: torch.Tensor, a_scales: torch.Tensor, b: torch.Tensor, b_scales: torch.Tensor,
+                   ends: torch.Tensor) -> torch.Tensor:
+    """`dequant(a)[rows of e] @ dequant(b[e]).T` for every expert: `[N, K] x [E, N_OUT, K] -> [N, N_OUT]` BF16.
+
+    Args:
+        a: `[N, K]` e4m3 rows, expert-major; `a_scales`: `[N, K/128]` float32 (1x128).
+        b: `[E, N_OUT, K]` e4m3, any strides (K contiguous is fastest); `b_scales`: `[E, N_OUT/128, K/128]`
+            float32 (128x128).
+        ends: `[E]` int32 cumulative segment ends on the device (expert `e` owns rows
+            `[ends[e-1], ends[e])`); rows from `ends[-1]` on are left unwritten.
+    """
+    num_rows, depth = a.shape
+    num_experts, n_out, b_depth = b.shape
+    if a.dtype != FP8_DTYPE or b.dtype != FP8_DTYPE:
+        raise TypeError(f"a, b: expected {FP8_DTYPE}, got {a.dtype} and {b.dtype}")
+    if b_depth != depth or depth % BLOCK or n_out % BLOCK:
+        raise ValueError(f"a {tuple(a.shape)}, b {tuple(b.shape)}: K must match and K, N_OUT be multiples of {BLOCK}")
+    if a_scales.shape != (num_rows, depth // BLOCK) or b_scales.shape != (num_experts, n_out // BLOCK, depth // BLOCK):
+        raise ValueError(f"scales: got {tuple(a_scales.shape)} and {tuple(b_scales.shape)} for a "
+                         f"{tuple(a.shape)} and b {tuple(b.shape)}")
+    if ends.shape != (num_experts,) or ends.dtype != torch.int32:
+        raise ValueError(f"ends: expected int32 [{num_experts}], got {ends.dtype} {tuple(ends.shape)}")
+    out = torch.empty(num_rows, n_out, dtype=torch.bfloat16, device=a.device)
+
+    def grid(meta: dict) -> tuple[int]:
+        return ((triton.cdiv(num_rows, meta["BLOCK_M"]) + num_experts) * (n_out // meta["BLOCK_N"]),)
+
+    _grouped_mm_kernel[grid](
+        a, a_scales, b, b_scales, out, ends,
+        num_experts, n_out, depth,
+        *a.stride(), *a_scales.stride(), *b.stride(), *b_scales.stride(), *out.stride(),
+        BLOCK_K=BLOCK,
+    )
+    return out
+
+
+def fp8_grouped_dgrad(grad: torch.Tensor, grad_scales: torch.Tensor, weight: torch.Tensor,
+                      weight_scales: torch.Tensor, ends: torch.Tensor) -> torch.Tensor:
+    """Input gradient of `fp8_grouped_mm`: `dequant(grad)[rows of e] @ dequant(weight[e])`, BF16 `[N, K]`.
+
+    `grad [N, M]` is quantized 1x128 along M; `weight [E, M, K]` with its 128x128 scales is used
+    transposed, which blockwise scaling makes exact (the same scales, transposed). The FP8 weight
+    is copied K-major (M contiguous) for the tensor cores; its scales are only viewed.
+    """
+    weight_t = weight.transpose(-2, -1).contiguous()
+    return fp8_grouped_mm(grad, grad_scales, weight_t, weight_scales.transpose(-2, -1), ends)
