@@ -83,6 +83,10 @@ def _cuda_extension():
     library_dirs: list[str] = []
     libraries: list[str] = []
     extra_link: list[str] = []
+    if os.environ.get("MOE_EP_PROFILE") == "1":
+        # Per-phase timing inside the dispatch/combine kernels (moe_ep._C.last_profile); off by default.
+        nvcc_flags.append("-DMOE_EP_PROFILE")
+        cxx_flags.append("-DMOE_EP_PROFILE")
     low_latency = _low_latency_sources()
     if low_latency:
         sources += low_latency

@@ -8,7 +8,11 @@ BF16 the time (median over iterations, slowest rank) and the bandwidth in two me
 NCCL all_to_all_single moving the same remote rows (BF16) is timed in the same run. A tuning sweep
 over Config values picks the defaults per world size.
 
-    python benchmarks/bench_intranode.py --out results.json [--worlds 4] [--quick]
+    python benchmarks/bench_intranode.py --out results.json [--worlds 4] [--quick] [--profile]
+
+--profile (needs moe_ep._C built with MOE_EP_PROFILE=1) prints and stores the per-phase breakdown of one
+dispatch (BF16, FP8) and one combine at the main workload with the best configs, and skips the pipeline-lag
+variants and the token sweep (a profiling build's timings are not the reference numbers).
 """
 
 from __future__ import annotations
@@ -102,6 +106,47 @@ class Bench:
                 "nccl_a2a_deepep_equiv_gbs": self.recv_rows * self.hidden * 2 / t / 1e3}
 
 
+_PROFILE_COLUMNS = ("start_us", "first_us", "end_us", "span_us", "wait_stage_us", "wait_remote_us", "copy_us",
+                    "copy_wait_us", "publish_us", "meta_us", "other_us", "items", "wait_events")
+
+
+def _profile_table(title: str, summary: dict) -> str:
+    """One line per role: mean/max over channels of every phase (us) and count."""
+    lines = [f"--- {title}: kernel {summary.get('kernel_us', float('nan')):.1f} us, "
+             f"{summary['num_channels']} channels (mean/max over channels; us)"]
+    short = [c.replace("_us", "") for c in _PROFILE_COLUMNS]
+    lines.append(f"{'role':14s} " + " ".join(f"{c:>13s}" for c in short))
+    for role, row in summary.get("roles", {}).items():
+        cells = []
+        for c in _PROFILE_COLUMNS:
+            m, x = row[c]["mean"], row[c]["max"]
+            cells.append(f"{'-':>13s}" if m is None else f"{m:6.1f}/{x:6.1f}")
+        lines.append(f"{role:14s} " + " ".join(cells))
+    return "\n".join(lines)
+
+
+def _profile(main: "Bench", dispatch_config: moe_ep.Config, combine_config: moe_ep.Config) -> dict:
+    """Per-phase breakdown of one dispatch (BF16, FP8) and one combine after a warm-up call each."""
+    backend = main.buffer._cuda
+    if backend is None or backend.profile() is None:
+        raise RuntimeError("--profile: rebuild moe_ep._C with MOE_EP_PROFILE=1 (setup.py)")
+    out: dict = {}
+    for name, use_fp8 in (("dispatch_bf16", False), ("dispatch_fp8", True)):
+        for _ in range(2):  # the second call is the one recorded
+            main.dispatch(dispatch_config, use_fp8)
+        torch.cuda.synchronize()
+        prof = backend.profile()
+        out[name] = {"host_notify_wait_us": prof["host_notify_wait_us"], **prof["dispatch"]}
+        dist.barrier()
+    recv_x, _, recv_w, _, handle, _ = main.dispatch(dispatch_config, False)
+    for _ in range(2):
+        main.buffer.combine(recv_x, handle, topk_weights=recv_w, config=combine_config)
+    torch.cuda.synchronize()
+    out["combine_bf16"] = backend.profile()["combine"]
+    dist.barrier()
+    return out
+
+
 def _sweep_configs(quick: bool) -> list[tuple[int, int, int]]:
     if quick:
         return [(24, 8, 256), (20, 8, 256)]
@@ -142,6 +187,22 @@ def _worker(rank: int, world: int, port: int, args: argparse.Namespace, results)
                                     6, 128)
     combine_config = moe_ep.Config(best_combine["num_sms"], best_combine["send_chunk"], best_combine["ring_slots"],
                                    6, 128)
+
+    if args.profile:
+        profile = _profile(main, dispatch_config, combine_config)
+        if rank == 0:
+            report["profile"] = profile
+            print(f"[world {world}] per-phase profile, rank 0, dispatch config {dispatch_config}, "
+                  f"combine config {combine_config}:", flush=True)
+            for name, summary in profile.items():
+                extra = (f", host notify wait {summary['host_notify_wait_us']:.1f} us"
+                         if "host_notify_wait_us" in summary else "")
+                print(_profile_table(name + extra, summary), flush=True)
+        if rank == 0:
+            results.put(report)
+        dist.barrier()
+        dist.destroy_process_group()
+        os._exit(0)
 
     variants = []
     for lag in PIPELINE_LAGS:
@@ -218,6 +279,8 @@ def main() -> None:
     parser.add_argument("--token-sweep", default="128,512,1024,2048,4096,8192")
     parser.add_argument("--quick", action="store_true", help="two configs instead of the full sweep")
     parser.add_argument("--timeout", type=float, default=400)
+    parser.add_argument("--profile", action="store_true",
+                        help="per-phase kernel breakdown (moe_ep._C built with MOE_EP_PROFILE=1)")
     args = parser.parse_args()
     args.token_sweep = [int(t) for t in args.token_sweep.split(",") if t]
     reports = []

@@ -4,6 +4,10 @@
 #include <torch/extension.h>
 
 #include <optional>
+#ifdef MOE_EP_PROFILE
+#include <chrono>
+#include <cstring>
+#endif
 
 #include "bindings.hpp"
 #include "runtime.hpp"
@@ -45,6 +49,48 @@ void check_ring_space(const NvlRuntime& rt, int num_channels, int ring_slots, in
 }
 
 const int* int_ptr(const Tensor& t) { return t.data_ptr<int>(); }
+
+#ifdef MOE_EP_PROFILE
+// Host side of the profile: channels of the last launch of each kernel, and how long the last
+// dispatch spent from the notify launch to the host learning the receive count.
+struct HostProfile {
+    int channels[kernels::prof::kNumKernels] = {};
+    double notify_wait_us = 0;
+};
+HostProfile g_host_profile;
+
+py::dict last_profile(const NvlRuntime& rt) {
+    namespace prof = kernels::prof;
+    const std::vector<int64_t> values = rt.read_profile();
+    py::list fields;
+    for (const char* name : {"start", "first", "end", "wait_stage", "wait_remote", "copy", "copy_wait", "publish",
+                             "items", "wait_events", "writers", "meta"})
+        fields.append(name);
+    py::list dispatch_roles, combine_roles;
+    for (int w = 0; w < prof::kDispatchLoaders; ++w) dispatch_roles.append("send_loader" + std::to_string(w));
+    for (const char* name : {"send_storer", "send_head", "recv_loader", "recv_storer"}) dispatch_roles.append(name);
+    for (int d = 0; d < kernels::kMaxRanks; ++d) combine_roles.append("send_to_rank" + std::to_string(d));
+    combine_roles.append("reducer");
+    py::dict out;
+    out["fields"] = fields;
+    out["host_notify_wait_us"] = g_host_profile.notify_wait_us;
+    out["rank"] = rt.rank();
+    const char* names[] = {"dispatch", "combine"};
+    for (int k = 0; k < prof::kNumKernels; ++k) {
+        const int C = g_host_profile.channels[k];
+        py::dict kernel;
+        kernel["num_channels"] = C;
+        kernel["roles"] = k == prof::kDispatch ? dispatch_roles : combine_roles;
+        Tensor records = at::empty({C, prof::kRoles, prof::kFields}, at::TensorOptions().dtype(at::kLong));
+        if (C > 0)
+            std::memcpy(records.data_ptr<int64_t>(), values.data() + prof::record(k, 0, 0),
+                        sizeof(int64_t) * C * prof::kRecordInt64s);
+        kernel["records"] = records;
+        out[names[k]] = kernel;
+    }
+    return out;
+}
+#endif
 
 template <typename T>
 T* opt_ptr(const optional<Tensor>& t) {
@@ -180,8 +226,16 @@ py::tuple dispatch(NvlRuntime& rt, const Tensor& x, const optional<Tensor>& x_sc
     n.rank_prefix_matrix = rank_prefix.data_ptr<int>();
     n.recv_channel_prefix_matrix = recv_channel_prefix.data_ptr<int>();
     rt.arm_recv_count();
+#ifdef MOE_EP_PROFILE
+    const auto notify_started = std::chrono::steady_clock::now();
+#endif
     launch_check(kernels::launch_notify_dispatch(n, rt.comm(), stream), "notify_dispatch");
     const int num_recv = rt.wait_recv_count();
+#ifdef MOE_EP_PROFILE
+    g_host_profile.notify_wait_us =
+        std::chrono::duration<double, std::micro>(std::chrono::steady_clock::now() - notify_started).count();
+    g_host_profile.channels[kernels::prof::kDispatch] = C;
+#endif
     std::vector<int> per_expert;
     if (num_worst_tokens == 0) per_expert = rt.expert_counts(El);
     rt.arm_recv_count();
@@ -219,6 +273,9 @@ py::tuple cached_dispatch(NvlRuntime& rt, const Tensor& x, const optional<Tensor
                                                   static_cast<int>(send_chunk));
     launch_check(kernels::launch_prepare_rings(rt.comm(), stream), "prepare_rings");
     launch_check(kernels::launch_dispatch(a, rt.comm(), stream), "cached_dispatch");
+#ifdef MOE_EP_PROFILE
+    g_host_profile.channels[kernels::prof::kDispatch] = C;
+#endif
     fill_padding(rt, rank_prefix, out, row_bytes, stream);
     return py::make_tuple(out.x, out.scales);
 }
@@ -260,6 +317,9 @@ py::tuple combine(NvlRuntime& rt, const Tensor& x, const optional<Tensor>& topk_
     a.publish_every = static_cast<int>(send_chunk);
     launch_check(kernels::launch_prepare_rings(rt.comm(), stream), "prepare_rings");
     launch_check(kernels::launch_combine(a, rt.comm(), stream), "combine");
+#ifdef MOE_EP_PROFILE
+    g_host_profile.channels[kernels::prof::kCombine] = C;
+#endif
     return py::make_tuple(combined, combined_weights);
 }
 
@@ -283,6 +343,10 @@ void register_intranode(py::module_& m) {
     m.def("combine", &combine);
     m.def("handle_bytes", [] { return NvlRuntime::kHandleBytes; });
     m.def("is_sm90_compiled", &kernels::is_sm90_compiled);
+#ifdef MOE_EP_PROFILE
+    // Built with MOE_EP_PROFILE=1 only: per-phase timing of the last dispatch and combine kernels.
+    m.def("last_profile", &last_profile, py::arg("runtime"));
+#endif
 }
 
 }  // namespace moe_ep

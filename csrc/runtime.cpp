@@ -48,6 +48,11 @@ NvlRuntime::NvlRuntime(int rank, int num_ranks, int64_t num_nvl_bytes, double ti
     comm_.num_ranks = num_ranks;
     comm_.flags = static_cast<kernels::HostFlags*>(flags_dev);
     comm_.timeout_ns = static_cast<uint64_t>(timeout_s * 1e9);
+#ifdef MOE_EP_PROFILE
+    cuda_check(cudaMalloc(&profile_, sizeof(int64_t) * kernels::prof::kInt64s), "cudaMalloc(profile)");
+    cuda_check(cudaMemset(profile_, 0, sizeof(int64_t) * kernels::prof::kInt64s), "cudaMemset(profile)");
+    comm_.profile = profile_;
+#endif
 }
 
 NvlRuntime::~NvlRuntime() {
@@ -98,6 +103,11 @@ void NvlRuntime::destroy() {
         if (r != rank_ && peer_bases_[r] != nullptr) cudaIpcCloseMemHandle(peer_bases_[r]);
     cudaFree(base_);
     cudaFreeHost(flags_);
+#ifdef MOE_EP_PROFILE
+    cudaFree(profile_);
+    profile_ = nullptr;
+    comm_.profile = nullptr;
+#endif
     base_ = nullptr;
     flags_ = nullptr;
     connected_ = false;
@@ -168,5 +178,17 @@ std::vector<int> NvlRuntime::expert_counts(int num_local_experts) const {
     for (int e = 0; e < num_local_experts; ++e) counts[e] = flags->expert_counts[e];
     return counts;
 }
+
+#ifdef MOE_EP_PROFILE
+std::vector<int64_t> NvlRuntime::read_profile() const {
+    std::vector<int64_t> values(kernels::prof::kInt64s, 0);
+    if (profile_ == nullptr) return values;
+    cuda_check(cudaSetDevice(device_), "cudaSetDevice");
+    cuda_check(cudaDeviceSynchronize(), "cudaDeviceSynchronize");
+    cuda_check(cudaMemcpy(values.data(), profile_, sizeof(int64_t) * values.size(), cudaMemcpyDeviceToHost),
+               "cudaMemcpy(profile)");
+    return values;
+}
+#endif
 
 }  // namespace moe_ep

@@ -40,6 +40,10 @@ class NvlRuntime {
     std::vector<int> expert_counts(int num_local_experts) const;
     // Resets the host flags before a notify kernel runs.
     void arm_recv_count();
+#ifdef MOE_EP_PROFILE
+    // Waits for the device, then copies the per-phase timing records (kernels::prof) to the host.
+    std::vector<int64_t> read_profile() const;
+#endif
 
    private:
     [[noreturn]] void fail_from_flags();
@@ -54,6 +58,9 @@ class NvlRuntime {
     kernels::CommContext comm_{};
     bool connected_ = false;
     bool broken_ = false;
+#ifdef MOE_EP_PROFILE
+    int64_t* profile_ = nullptr;  // device memory, kernels::prof::kInt64s values
+#endif
     std::string broken_reason_;
 };
 

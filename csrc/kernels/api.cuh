@@ -6,6 +6,14 @@
 #include <cstdint>
 #include <cuda_runtime.h>
 
+#ifdef MOE_EP_PROFILE
+#if defined(__CUDACC__)
+#define MOE_EP_PROF_HOST_DEVICE __host__ __device__
+#else
+#define MOE_EP_PROF_HOST_DEVICE
+#endif
+#endif
+
 namespace moe_ep::kernels {
 
 constexpr int kMaxRanks = 8;
@@ -59,7 +67,51 @@ struct CommContext {
     HostFlags* flags;  // device pointer of the mapped host flags
     uint64_t timeout_ns;
     int pipeline_lag;  // bulk stores left in flight per storer thread; 0 = half the stages
+#ifdef MOE_EP_PROFILE
+    int64_t* profile;  // device buffer of prof::kInt64s values (see below); null disables recording
+#endif
 };
+
+#ifdef MOE_EP_PROFILE
+// Per-phase timing of the normal-mode data kernels (built with -DMOE_EP_PROFILE only). Every role
+// (a warp, or a group of identical warps) of every channel owns one record of kFields int64 values,
+// written once when the role ends. Timestamps are %globaltimer ns; durations are ns summed over the
+// role's loop (for a group of warps: summed over the warps, `kWriters` says how many). The launch
+// functions clear their kernel's area first, so a record with kWriters == 0 did not run.
+namespace prof {
+enum Kernel : int { kDispatch = 0, kCombine = 1, kNumKernels = 2 };
+constexpr int kRoles = 16;
+enum Field : int {
+    kStart = 0,       // timestamp: role entered
+    kFirst = 1,       // timestamp: first token / slot / row ready to work on
+    kEnd = 2,         // timestamp: role left
+    kWaitStage = 3,   // waits inside the block: stage full/empty mbarriers, block barriers
+    kWaitRemote = 4,  // waits on peers: ring space (heads), announced tokens (tails)
+    kCopy = 5,        // issuing copies: metadata loads/stores, bulk copy issue, combine loads + adds + stores
+    kCopyWait = 6,    // waiting for bulk copies to complete (cp.async.bulk.wait_group[.read])
+    kPublish = 7,     // fences + release stores of tails / heads
+    kItems = 8,       // tokens / slots / rows handled
+    kWaitEvents = 9,  // remote waits that did not succeed at the first poll
+    kWriters = 10,    // warps that wrote this record
+    kMeta = 11,       // routing metadata loads (combine reducer: is_token_in_rank, send_head)
+    kFields = 12,
+};
+// Dispatch roles: sender loader warps, sender storer, send_head writer, receiver loader and storer.
+constexpr int kDispatchLoaders = 4;
+constexpr int kDispatchSendStorer = kDispatchLoaders;
+constexpr int kDispatchSendHead = kDispatchLoaders + 1;
+constexpr int kDispatchRecvLoader = kDispatchLoaders + 2;
+constexpr int kDispatchRecvStorer = kDispatchLoaders + 3;
+// Combine roles: sender warp for destination d is role d; the reducer warps share one record.
+constexpr int kCombineReducer = kMaxRanks;
+constexpr int kRecordInt64s = kRoles * kFields;
+constexpr int kKernelInt64s = kMaxChannels * kRecordInt64s;
+constexpr int kInt64s = kNumKernels * kKernelInt64s;
+MOE_EP_PROF_HOST_DEVICE constexpr int record(int kernel, int channel, int role) {
+    return (kernel * kMaxChannels + channel) * kRecordInt64s + role * kFields;
+}
+}  // namespace prof
+#endif
 
 // ---------------------------------------------------------------------------------------------
 // Normal mode (intranode NVLink)

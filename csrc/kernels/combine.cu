@@ -135,12 +135,15 @@ MOE_EP_DEVICE void send_rows(const CombineArgs& a, const StageRing& ring, int fi
     };
     int head = 0, published = 0;
     bool ok = true;
+    MOE_EP_PROF(ProfRole timing; timing.begin(); uint64_t t_prof = timing.start;)
     float weight = weight_of(0);
     load(0);
+    MOE_EP_PROF(t_prof = timing.add(prof::kCopy, t_prof);)
     for (int i = 0; i < count && ok; ++i) {
         // Row i + 1 reuses the stage of row i + 1 - S, whose store is the (S - 2)-th newest one.
         bulk_wait_dyn<true>(num_stages - 2);
         __syncwarp();
+        MOE_EP_PROF(t_prof = timing.add(prof::kCopyWait, t_prof);)
         if (num_stages > 1) load(i + 1);
         const float next_weight = weight_of(i + 1);
         const int st = first_stage + i % num_stages;
@@ -148,41 +151,55 @@ MOE_EP_DEVICE void send_rows(const CombineArgs& a, const StageRing& ring, int fi
         if (has_weights) reinterpret_cast<float*>(stage + a.row_bytes)[lane] = weight;
         fence_proxy_async_shared();
         __syncwarp();  // the weights written by lanes < k are read by lane 0's bulk store
+        MOE_EP_PROF(t_prof = timing.add(prof::kCopy, t_prof);)
         ok = __all_sync(kFullMask, mbar_wait(ring.full + st, (i / num_stages) & 1, comm, abort));
+        MOE_EP_PROF(t_prof = timing.add(prof::kWaitStage, t_prof); timing.mark_first(); timing.count(prof::kItems);)
         if (ok && lane == 0) {
             if (i - head >= a.ring_slots) {
                 bulk_wait<0>();
+                MOE_EP_PROF(t_prof = timing.add(prof::kCopyWait, t_prof);)
                 fence_proxy_async_global();
                 st_release_sys(tail_ptr, i);
                 published = i;
+                MOE_EP_PROF(t_prof = timing.add(prof::kPublish, t_prof);
+                            if (i - ld_acquire_sys(head_ptr) >= a.ring_slots) timing.count(prof::kWaitEvents);)
                 ok = wait_until([&] { return i - (head = ld_acquire_sys(head_ptr)) < a.ring_slots; }, comm, abort,
                                 kErrSendTimeout);
                 fence_proxy_async_global();
+                MOE_EP_PROF(t_prof = timing.add(prof::kWaitRemote, t_prof);)
             }
             if (ok) {
                 bulk_store(ring_base + static_cast<size_t>(i % a.ring_slots) * slot_bytes, stage, slot_bytes);
                 bulk_commit();
+                MOE_EP_PROF(t_prof = timing.add(prof::kCopy, t_prof);)
                 if (i + 1 - published >= a.publish_every) {
                     bulk_wait<0>();
+                    MOE_EP_PROF(t_prof = timing.add(prof::kCopyWait, t_prof);)
                     fence_proxy_async_global();
                     st_release_sys(tail_ptr, i + 1);
                     published = i + 1;
+                    MOE_EP_PROF(t_prof = timing.add(prof::kPublish, t_prof);)
                 }
             }
         }
         ok = __all_sync(kFullMask, ok);
         if (num_stages == 1 && i + 1 < count) {
+            MOE_EP_PROF(t_prof = timing.add(prof::kCopy, t_prof);)
             bulk_wait<0>();
             __syncwarp();
+            MOE_EP_PROF(t_prof = timing.add(prof::kCopyWait, t_prof);)
             load(i + 1);
         }
         weight = next_weight;
     }
+    MOE_EP_PROF(t_prof = timing.add(prof::kCopy, t_prof);)
     bulk_wait<0>();
+    MOE_EP_PROF(t_prof = timing.add(prof::kCopyWait, t_prof);)
     if (lane == 0 && ok && *abort == 0 && count > published) {
         fence_proxy_async_global();
         st_release_sys(tail_ptr, count);
     }
+    MOE_EP_PROF(timing.add(prof::kPublish, t_prof); timing.store(comm, prof::kCombine, channel, dest);)
 }
 
 MOE_EP_DEVICE int4 load_row_unit(const uint8_t* row, int unit, bool in_ring) {
@@ -198,8 +215,10 @@ MOE_EP_DEVICE void reduce_channel(const CombineArgs& a, int channel, int slot_by
     __shared__ int s_head[2][kMaxRanks];  // consumed ring positions, per chunk parity
     const int warp = threadIdx.x / 32, lane = threadIdx.x & 31;
     const int R = comm.num_ranks, C = a.num_channels, me = comm.rank;
+    MOE_EP_PROF(ProfRole timing; timing.begin(); uint64_t t_prof = timing.start;)
     if (threadIdx.x < 2 * kMaxRanks) s_head[threadIdx.x / kMaxRanks][threadIdx.x % kMaxRanks] = 0;
     asm volatile("bar.sync 1, %0;" ::"r"(kCombineThreads));
+    MOE_EP_PROF(t_prof = timing.add(prof::kWaitStage, t_prof);)
 
     int begin, end;
     channel_range(a.num_tokens, C, channel, begin, end);
@@ -224,20 +243,37 @@ MOE_EP_DEVICE void reduce_channel(const CombineArgs& a, int channel, int slot_by
             const uint8_t* row = nullptr;
             bool ok = true;
             int pos = 0;
+            MOE_EP_PROF(uint64_t lane_wait = 0; uint32_t lane_stalled = 0;)
             if ((mask >> lane) & 1) {
                 const int head = a.send_head[static_cast<size_t>(t) * R + lane];
                 if (lane == me) {
                     row = static_cast<const uint8_t*>(a.x) + static_cast<size_t>(self_base + head) * a.row_bytes;
                 } else {
                     pos = head - chan_start;
-                    if (pos >= tail_seen)
+                    if (pos >= tail_seen) {
+                        MOE_EP_PROF(const uint64_t t_wait = global_timer_ns();
+                                    lane_stalled = (tail_seen = ld_acquire_sys(tail_ptr)) <= pos;)
                         ok = wait_until([&] { return (tail_seen = ld_acquire_sys(tail_ptr)) > pos; }, comm, abort,
                                         kErrRecvTimeout);
+                        MOE_EP_PROF(lane_wait = global_timer_ns() - t_wait;)
+                    }
                     row = my_ring + static_cast<size_t>(pos % a.ring_slots) * slot_bytes;
                 }
             }
             __syncwarp();  // lane r's acquire of tail r covers every lane's reads of that ring
             if (!__all_sync(kFullMask, ok)) break;
+            MOE_EP_PROF({
+                // The warp waited as long as its slowest lane; the rest of the time went to metadata loads.
+                const uint64_t now = global_timer_ns();
+                const uint32_t waited = __reduce_max_sync(kFullMask, static_cast<uint32_t>(lane_wait));
+                const uint32_t spent = static_cast<uint32_t>(now - t_prof);
+                timing.acc[prof::kWaitRemote] += waited;
+                timing.acc[prof::kMeta] += spent > waited ? spent - waited : 0;
+                timing.acc[prof::kWaitEvents] += __popc(__ballot_sync(kFullMask, lane_stalled != 0));
+                timing.count(prof::kItems);
+                timing.mark_first();
+                t_prof = now;
+            })
             const uint8_t* rows[kMaxRanks];
 #pragma unroll
             for (int r = 0; r < kMaxRanks; ++r)
@@ -292,8 +328,11 @@ MOE_EP_DEVICE void reduce_channel(const CombineArgs& a, int channel, int slot_by
                 a.combined_topk_weights[static_cast<size_t>(t) * a.num_topk + lane] = w;
             }
             if (((mask >> lane) & 1) && lane != me) atomicMax(&s_head[parity][lane], pos + 1);
+            MOE_EP_PROF(t_prof = timing.add(prof::kCopy, t_prof);)
         }
+        MOE_EP_PROF(t_prof = timing.add(prof::kMeta, t_prof);)  // the last loop test and abort checks
         asm volatile("bar.sync 1, %0;" ::"r"(kCombineThreads));
+        MOE_EP_PROF(t_prof = timing.add(prof::kWaitStage, t_prof);)
         if (threadIdx.x < R && threadIdx.x != me && *abort == 0) {
             const int head = s_head[parity][threadIdx.x];
             if (head > published) {
@@ -301,7 +340,9 @@ MOE_EP_DEVICE void reduce_channel(const CombineArgs& a, int channel, int slot_by
                 published = head;
             }
         }
+        MOE_EP_PROF(__syncwarp(); t_prof = timing.add(prof::kPublish, t_prof);)
     }
+    MOE_EP_PROF(timing.store(comm, prof::kCombine, channel, prof::kCombineReducer, true, warp == 0);)
 }
 
 template <typename T>
@@ -342,6 +383,9 @@ cudaError_t launch_typed(const CombineArgs& args, const CommContext& comm, cudaS
 int combine_slot_bytes(int row_bytes, int num_topk) { return (row_bytes + 4 * num_topk + 15) / 16 * 16; }
 
 cudaError_t launch_combine(const CombineArgs& args, const CommContext& comm, cudaStream_t stream) {
+#ifdef MOE_EP_PROFILE
+    if (const cudaError_t perr = clear_profile(comm, prof::kCombine, stream); perr != cudaSuccess) return perr;
+#endif
     switch (args.dtype) {
         case DType::kBFloat16: return launch_typed<__nv_bfloat16>(args, comm, stream);
         case DType::kFloat16: return launch_typed<__half>(args, comm, stream);

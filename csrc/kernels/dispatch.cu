@@ -64,6 +64,12 @@ MOE_EP_DEVICE void load_tokens(const DispatchArgs& a, const SlotLayout& layout, 
                                int end, int loader, const CommContext& comm, volatile int* abort) {
     const int lane = threadIdx.x & 31;
     int seq = 0;
+    MOE_EP_PROF(ProfRole timing; timing.begin(); uint64_t t_prof;
+                const int channel = blockIdx.x / 2;
+                struct Store {  // writes the record on every way out
+                    ProfRole& p; const CommContext& c; int ch, role;
+                    MOE_EP_DEVICE ~Store() { p.store(c, prof::kDispatch, ch, role); }
+                } prof_store{timing, comm, channel, loader};)
     for (int base = begin; base < end; base += 32) {
         const int t = base + lane;
         const uint32_t my_mask = t < end ? token_rank_mask(a.is_token_in_rank, t, comm.num_ranks) : 0;
@@ -74,7 +80,9 @@ MOE_EP_DEVICE void load_tokens(const DispatchArgs& a, const SlotLayout& layout, 
             const int token = base + src_lane;
             const uint32_t mask = __shfl_sync(kFullMask, my_mask, src_lane);
             if (seq++ % kLoaderWarps != loader) continue;
+            MOE_EP_PROF(t_prof = global_timer_ns();)
             if (!acquire_stage(ring, seq - 1, comm, abort)) return;
+            MOE_EP_PROF(t_prof = timing.add(prof::kWaitStage, t_prof); timing.mark_first(); timing.count(prof::kItems);)
             uint32_t* words = reinterpret_cast<uint32_t*>(ring.stage((seq - 1) % ring.num_stages));
             if (a.x_scales != nullptr)
                 for (int g = lane; g < a.num_scales; g += 32)
@@ -87,14 +95,17 @@ MOE_EP_DEVICE void load_tokens(const DispatchArgs& a, const SlotLayout& layout, 
             }
             fill_stage(ring, seq - 1, token, mask,
                        static_cast<const uint8_t*>(a.x) + static_cast<size_t>(token) * a.row_bytes, a.row_bytes);
+            MOE_EP_PROF(timing.add(prof::kCopy, t_prof);)
         }
     }
     if (seq % kLoaderWarps == loader && acquire_stage(ring, seq, comm, abort)) fill_stage(ring, seq, -1, 0, nullptr, 0);
 }
 
 // send_head[t, d]: position of token t inside the block destination d receives from this rank.
-MOE_EP_DEVICE void write_send_head(const DispatchArgs& a, int channel, int begin, int end, int num_ranks) {
+MOE_EP_DEVICE void write_send_head(const DispatchArgs& a, int channel, int begin, int end, int num_ranks
+                                   MOE_EP_PROF(, const CommContext& comm)) {
     const int lane = threadIdx.x & 31;
+    MOE_EP_PROF(ProfRole timing; timing.begin(); timing.count(prof::kItems, end > begin ? end - begin : 0);)
     int running[kMaxRanks];
 #pragma unroll
     for (int d = 0; d < kMaxRanks; ++d)
@@ -113,6 +124,8 @@ MOE_EP_DEVICE void write_send_head(const DispatchArgs& a, int channel, int begin
             running[d] += __popc(ballot);
         }
     }
+    MOE_EP_PROF(timing.acc[prof::kCopy] = static_cast<uint32_t>(global_timer_ns() - timing.start);
+                timing.store(comm, prof::kDispatch, channel, prof::kDispatchSendHead);)
 }
 
 MOE_EP_DEVICE void run_receiver(const DispatchArgs& a, const SlotLayout& layout, const StageRing& ring, int channel,
@@ -136,11 +149,18 @@ MOE_EP_DEVICE void run_receiver(const DispatchArgs& a, const SlotLayout& layout,
                                                                    slot_bytes);
         int loaded = 0;
         uint64_t deadline = global_timer_ns() + comm.timeout_ns;
+        MOE_EP_PROF(ProfRole timing; timing.begin(); uint64_t t_prof = timing.start; int t_poll = 0;
+                    struct Store {
+                        ProfRole& p; const CommContext& c; int ch;
+                        MOE_EP_DEVICE ~Store() { p.store(c, prof::kDispatch, ch, prof::kDispatchRecvLoader); }
+                    } prof_store{timing, comm, channel};)
         for (int seq = 0; seq < total;) {
+            MOE_EP_PROF(if (t_poll == 0) t_prof = timing.add(prof::kCopy, t_prof);)  // not inside a failed-poll streak
             int ready = 0;
             if (loaded < count) ready = min(ld_acquire_sys(tail_ptr), count) - loaded;
             __syncwarp();
             if (__ballot_sync(kFullMask, ready > 0) == 0) {
+                MOE_EP_PROF(t_poll = 1;)
                 if (*abort) return;
                 if (global_timer_ns() > deadline) {
                     report_error(comm.flags, kErrRecvTimeout);
@@ -149,6 +169,8 @@ MOE_EP_DEVICE void run_receiver(const DispatchArgs& a, const SlotLayout& layout,
                 }
                 continue;
             }
+            MOE_EP_PROF(if (t_poll != 0) timing.count(prof::kWaitEvents);  // polling (failed or not) is remote wait
+                        t_poll = 0; t_prof = timing.add(prof::kWaitRemote, t_prof); timing.mark_first();)
             deadline = global_timer_ns() + comm.timeout_ns;
             if (lane == 0) fence_proxy_async_global();  // the tails acquired above cover the bulk loads below
             for (int s = 0; s < R; ++s) {
@@ -158,7 +180,9 @@ MOE_EP_DEVICE void run_receiver(const DispatchArgs& a, const SlotLayout& layout,
                 const uint8_t* src_ring = reinterpret_cast<const uint8_t*>(
                     __shfl_sync(kFullMask, reinterpret_cast<unsigned long long>(my_ring), s));
                 for (int i = 0; i < n; ++i, ++seq) {
+                    MOE_EP_PROF(t_prof = timing.add(prof::kCopy, t_prof);)
                     if (!acquire_stage(ring, seq, comm, abort)) return;
+                    MOE_EP_PROF(t_prof = timing.add(prof::kWaitStage, t_prof); timing.count(prof::kItems);)
                     if (lane == 0) {
                         const int st = seq % ring.num_stages;
                         stage_row[st] = row0 + first + i;
@@ -177,9 +201,12 @@ MOE_EP_DEVICE void run_receiver(const DispatchArgs& a, const SlotLayout& layout,
         const int lag_read = read_lag(ring.num_stages, comm.pipeline_lag);
         int done = 0, published = 0;
         int* head_ptr = lane < R ? comm.peers.ctrl[lane] + ctrl::kHead + channel * kMaxRanks + me : nullptr;
+        MOE_EP_PROF(ProfRole timing; timing.begin(); uint64_t t_prof;)
         for (int seq = 0; seq < total; ++seq) {
             const int st = seq % ring.num_stages;
+            MOE_EP_PROF(t_prof = global_timer_ns();)
             if (!__all_sync(kFullMask, mbar_wait(ring.full + st, (seq / ring.num_stages) & 1, comm, abort))) break;
+            MOE_EP_PROF(t_prof = timing.add(prof::kWaitStage, t_prof); timing.mark_first(); timing.count(prof::kItems);)
             const int row = stage_row[st];
             const int src = static_cast<int>(ring.mask[st]);
             const uint8_t* stage = ring.stage(st);
@@ -188,6 +215,7 @@ MOE_EP_DEVICE void run_receiver(const DispatchArgs& a, const SlotLayout& layout,
                 bulk_commit();
             }
             write_recv_extras(a, layout, stage, row, me, lane);
+            MOE_EP_PROF(t_prof = timing.add(prof::kCopy, t_prof);)
             if (lane == src) {
                 ++done;
                 if (done - published >= a.publish_every || done == count) {
@@ -196,11 +224,16 @@ MOE_EP_DEVICE void run_receiver(const DispatchArgs& a, const SlotLayout& layout,
                     published = done;
                 }
             }
+            MOE_EP_PROF(__syncwarp(); t_prof = timing.add(prof::kPublish, t_prof);)
             if (lane == 0) bulk_wait_dyn<true>(lag_read);
             __syncwarp();
+            MOE_EP_PROF(timing.add(prof::kCopyWait, t_prof);)
             if (lane == 0 && seq >= lag_read) mbar_arrive(ring.empty + (seq - lag_read) % ring.num_stages);
         }
+        MOE_EP_PROF(t_prof = global_timer_ns();)
         if (lane == 0) bulk_wait<0>();
+        MOE_EP_PROF(__syncwarp(); timing.add(prof::kCopyWait, t_prof);
+                    timing.store(comm, prof::kDispatch, channel, prof::kDispatchRecvStorer);)
     }
 }
 
@@ -215,6 +248,7 @@ __global__ void __launch_bounds__(kDispatchThreads, 1) dispatch_kernel(DispatchA
     const StageRing ring = make_stage_ring(smem, num_stages, slot_bytes);
     if (threadIdx.x == 0) s_abort = 0;
     __syncthreads();
+    MOE_EP_PROF(static_assert(kLoaderWarps == prof::kDispatchLoaders, "profile roles follow the warp layout");)
 
     if (!is_sender) {
         run_receiver(a, layout, ring, channel, slot_bytes, comm, &s_abort);
@@ -228,7 +262,7 @@ __global__ void __launch_bounds__(kDispatchThreads, 1) dispatch_kernel(DispatchA
         const SelfSink sink{&a, layout, a.recv_channel_prefix_matrix[comm.rank * a.num_channels + channel], comm.rank};
         run_storer(ring, StorerParams{channel, a.ring_slots, slot_bytes, a.publish_every}, comm, sink, &s_abort);
     } else if (warp == kLoaderWarps + 1 && a.send_head != nullptr) {
-        write_send_head(a, channel, begin, end, comm.num_ranks);
+        write_send_head(a, channel, begin, end, comm.num_ranks MOE_EP_PROF(, comm));
     }
 }
 
@@ -269,6 +303,9 @@ int max_pipeline_stages(int slot_bytes) {
 }
 
 cudaError_t launch_dispatch(const DispatchArgs& args, const CommContext& comm, cudaStream_t stream) {
+#ifdef MOE_EP_PROFILE
+    if (const cudaError_t perr = clear_profile(comm, prof::kDispatch, stream); perr != cudaSuccess) return perr;
+#endif
     const int slot_bytes = dispatch_slot_bytes(args.row_bytes, args.num_scales, args.num_topk);
     const int stages = max_pipeline_stages(slot_bytes);
     if (stages == 0) return cudaErrorInvalidValue;

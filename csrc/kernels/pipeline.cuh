@@ -118,12 +118,16 @@ MOE_EP_DEVICE void run_storer(const StageRing& ring, const StorerParams& p, cons
     int pos = 0, head = 0, published = 0;
     bool ok = true;
     int seq = 0;
+    MOE_EP_PROF(ProfRole timing; timing.begin(); uint64_t t_prof;)
     for (;; ++seq) {
         const int s = seq % ring.num_stages;
+        MOE_EP_PROF(t_prof = global_timer_ns();)
         ok = ok && mbar_wait(ring.full + s, (seq / ring.num_stages) & 1, comm, abort);
         if (!__all_sync(kFullMask, ok)) break;
+        MOE_EP_PROF(t_prof = timing.add(prof::kWaitStage, t_prof); timing.mark_first();)
         const int token = ring.token[s];
         if (token < 0) break;
+        MOE_EP_PROF(timing.count(prof::kItems);)
         const uint32_t mask = ring.mask[s];
         const uint8_t* stage = ring.stage(s);
         const int my_pos = pos;
@@ -133,13 +137,18 @@ MOE_EP_DEVICE void run_storer(const StageRing& ring, const StorerParams& p, cons
             } else {
                 if (pos - head >= p.ring_slots) {
                     // Announce everything written so far, then wait for the receiver to free a slot.
+                    MOE_EP_PROF(t_prof = timing.add(prof::kCopy, t_prof);)
                     bulk_wait<0>();
+                    MOE_EP_PROF(t_prof = timing.add(prof::kCopyWait, t_prof);)
                     fence_proxy_async_global();
                     st_release_sys(tail_ptr, pos);
                     published = pos;
+                    MOE_EP_PROF(t_prof = timing.add(prof::kPublish, t_prof);
+                                if (pos - ld_acquire_sys(head_ptr) >= p.ring_slots) timing.count(prof::kWaitEvents);)
                     ok = wait_until([&] { return pos - (head = ld_acquire_sys(head_ptr)) < p.ring_slots; }, comm,
                                     abort, kErrSendTimeout);
                     fence_proxy_async_global();
+                    MOE_EP_PROF(t_prof = timing.add(prof::kWaitRemote, t_prof);)
                 }
                 if (ok) bulk_store(ring_base + static_cast<size_t>(pos % p.ring_slots) * p.slot_bytes, stage, p.slot_bytes);
             }
@@ -149,24 +158,33 @@ MOE_EP_DEVICE void run_storer(const StageRing& ring, const StorerParams& p, cons
         if (lane < kMaxRanks) s_pos_after[seq % (kMaxBulkLag + 1)][lane] = pos;
         __syncwarp();
         if ((mask >> me) & 1) local.extras(stage, token, __shfl_sync(kFullMask, my_pos, me), lane);
+        MOE_EP_PROF(t_prof = timing.add(prof::kCopy, t_prof);)
         bulk_wait_dyn<true>(lag_read);
         __syncwarp();
+        MOE_EP_PROF(t_prof = timing.add(prof::kCopyWait, t_prof);)
         if (lane == 0 && seq >= lag_read) mbar_arrive(ring.empty + (seq - lag_read) % ring.num_stages);
         if (remote_lane && ok && seq >= lag_done) {
             const int done = s_pos_after[(seq - lag_done) % (kMaxBulkLag + 1)][lane];
             if (done - published >= p.publish_every) {
+                MOE_EP_PROF(t_prof = global_timer_ns();)
                 bulk_wait_dyn<false>(lag_done);
+                MOE_EP_PROF(t_prof = timing.add(prof::kCopyWait, t_prof);)
                 fence_proxy_async_global();
                 st_release_sys(tail_ptr, done);
                 published = done;
+                MOE_EP_PROF(timing.add(prof::kPublish, t_prof);)
             }
         }
     }
+    MOE_EP_PROF(t_prof = global_timer_ns();)
     bulk_wait<0>();
+    MOE_EP_PROF(t_prof = timing.add(prof::kCopyWait, t_prof);)
     if (remote_lane && ok && *abort == 0 && pos > published) {
         fence_proxy_async_global();
         st_release_sys(tail_ptr, pos);
     }
+    MOE_EP_PROF(timing.add(prof::kPublish, t_prof); timing.reduce_lanes();
+                timing.store(comm, prof::kDispatch, p.channel, prof::kDispatchSendStorer);)
 }
 
 }  // namespace moe_ep::kernels

@@ -137,6 +137,66 @@ class CudaBackend(CommBackend):
             config.num_max_nvl_chunked_send_tokens, config.num_max_nvl_chunked_recv_tokens)
         return combined, combined_weights
 
+    def profile(self) -> Optional[dict]:
+        """Per-phase timing of this rank's last dispatch and combine kernels, or None unless `moe_ep._C`
+        was built with `MOE_EP_PROFILE=1`. Waits for the device.
+
+        For each kernel: `kernel_us` (first role start to last role end, all channels) and per role
+        (warp or warp group, see csrc/kernels/api.cuh `prof`) the mean and max over channels of:
+        start/first/end (us after the kernel's first role started), span (end - start), the time
+        spent waiting inside the block (wait_stage), on peers (wait_remote), issuing copies (copy),
+        waiting for bulk copies (copy_wait), publishing tails/heads (publish), loading routing
+        metadata (meta), the rest (other), and the counts items / wait_events. Durations of a warp
+        group (the combine reducer) are per warp. `raw` keeps the records ([C, roles, fields] int64).
+        """
+        last_profile = getattr(_ext(), "last_profile", None)
+        if last_profile is None:
+            return None
+        data = last_profile(self._runtime)
+        fields = list(data["fields"])
+        col = {name: i for i, name in enumerate(fields)}
+        durations = ("wait_stage", "wait_remote", "copy", "copy_wait", "publish", "meta")
+        out: dict = {"rank": data["rank"], "host_notify_wait_us": data["host_notify_wait_us"], "fields": fields}
+        for kernel in ("dispatch", "combine"):
+            info = data[kernel]
+            rec = info["records"].to(torch.float64)  # [C, roles, fields]
+            summary: dict = {"num_channels": info["num_channels"], "roles": {}, "raw": info["records"].tolist()}
+            ran = rec[..., col["writers"]] > 0
+            if info["num_channels"] == 0 or not bool(ran.any()):
+                out[kernel] = summary
+                continue
+            t0 = rec[..., col["start"]][ran].min()
+            summary["kernel_us"] = float((rec[..., col["end"]][ran].max() - t0) / 1e3)
+            for r, role in enumerate(info["roles"]):
+                mask = ran[:, r]
+                if not bool(mask.any()):
+                    continue
+                v = rec[mask, r]  # [channels that ran this role, fields]
+                writers = v[:, col["writers"]]
+                row: dict = {"channels": int(mask.sum()), "warps": int(writers.max())}
+                per_channel = {
+                    "start_us": (v[:, col["start"]] - t0) / 1e3,
+                    "first_us": torch.where(v[:, col["first"]] > 0, (v[:, col["first"]] - t0) / 1e3,
+                                            torch.full_like(writers, float("nan"))),
+                    "end_us": (v[:, col["end"]] - t0) / 1e3,
+                    "span_us": (v[:, col["end"]] - v[:, col["start"]]) / 1e3,
+                }
+                busy = torch.zeros_like(writers)
+                for name in durations:
+                    per_warp = v[:, col[name]] / writers / 1e3
+                    per_channel[f"{name}_us"] = per_warp
+                    busy += per_warp
+                per_channel["other_us"] = per_channel["span_us"] - busy
+                per_channel["items"] = v[:, col["items"]]
+                per_channel["wait_events"] = v[:, col["wait_events"]]
+                for name, values in per_channel.items():
+                    finite = values[~values.isnan()]
+                    row[name] = {"mean": float(finite.mean()) if finite.numel() else None,
+                                 "max": float(finite.max()) if finite.numel() else None}
+                summary["roles"][role] = row
+            out[kernel] = summary
+        return out
+
     # ------------------------------------------------------------------ low-latency mode
 
     def _low_latency_runtime(self) -> LowLatencyRuntime:
