@@ -14,31 +14,15 @@ from __future__ import annotations
 
 import argparse
 import json
-import statistics
-from typing import Callable
 
 import torch
 import triton
 
 from moe_ep.layers.fp8_grouped_gemm import fp8_grouped_dgrad, fp8_grouped_mm
 from moe_ep.ops import fp8
+from timing import local_median_us
 
 ALIGNMENT = 16
-
-
-def median_us(fn: Callable[[], object], warmup: int = 5, iters: int = 20) -> float:
-    """Median GPU time of `fn` in microseconds (CUDA events)."""
-    for _ in range(warmup):
-        fn()
-    times = []
-    for _ in range(iters):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        fn()
-        end.record()
-        end.synchronize()
-        times.append(start.elapsed_time(end) * 1e3)
-    return statistics.median(times)
 
 
 def segment_counts(num_experts: int, rows: int, seed: int) -> list[int]:
@@ -80,13 +64,13 @@ def bench_projection(num_experts: int, rows: int, depth: int, width: int, seed: 
     flops = 2 * num_rows * depth * width
     w_t = w.transpose(-2, -1)
     times = {
-        "bf16_forward_us": median_us(lambda: torch._grouped_mm(x, w_t, offs=ends)),
-        "fp8_forward_us": median_us(lambda: fp8_grouped_mm(qx, sx, qw, sw, ends)),
-        "bf16_dgrad_us": median_us(lambda: torch._grouped_mm(grad, w, offs=ends)),
-        "fp8_dgrad_us": median_us(lambda: fp8_grouped_dgrad(qg, sg, qw, sw, ends)),
-        "fp8_dgrad_strided_weight_us": median_us(
+        "bf16_forward_us": local_median_us(lambda: torch._grouped_mm(x, w_t, offs=ends)),
+        "fp8_forward_us": local_median_us(lambda: fp8_grouped_mm(qx, sx, qw, sw, ends)),
+        "bf16_dgrad_us": local_median_us(lambda: torch._grouped_mm(grad, w, offs=ends)),
+        "fp8_dgrad_us": local_median_us(lambda: fp8_grouped_dgrad(qg, sg, qw, sw, ends)),
+        "fp8_dgrad_strided_weight_us": local_median_us(
             lambda: fp8_grouped_mm(qg, sg, qw.transpose(-2, -1), sw.transpose(-2, -1), ends)),
-        "cast_rows_us": median_us(lambda: fp8.per_token_cast_to_fp8(x)),
+        "cast_rows_us": local_median_us(lambda: fp8.per_token_cast_to_fp8(x)),
     }
     tflops = {name.replace("_us", "_tflops"): flops / (t * 1e-6) / 1e12
               for name, t in times.items() if name != "cast_rows_us"}

@@ -1,9 +1,9 @@
-"""Timing shared by the benchmarks: CUDA-event medians, every run started in step on all ranks."""
+"""Timing shared by the benchmarks: medians of CUDA-event times."""
 
 from __future__ import annotations
 
 import statistics
-from typing import Callable
+from typing import Callable, Optional
 
 import torch
 import torch.distributed as dist
@@ -16,18 +16,29 @@ def slowest_rank(value: float) -> float:
     return float(tensor.item())
 
 
-def median_time_us(fn: Callable[[], object], warmup: int, iters: int) -> float:
-    """Median GPU time of `fn` in microseconds (CUDA events after a host barrier), slowest rank."""
+def local_median_us(fn: Callable[[], object], warmup: int = 5, iters: int = 20,
+                    before_each: Optional[Callable[[], None]] = None) -> float:
+    """Median GPU time of `fn` in microseconds on this process (CUDA events around each run)."""
     for _ in range(warmup):
         fn()
     times = []
     for _ in range(iters):
-        torch.cuda.synchronize()
-        dist.barrier()
+        if before_each is not None:
+            before_each()
         start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
         start.record()
         fn()
         end.record()
         end.synchronize()
         times.append(start.elapsed_time(end) * 1e3)
-    return slowest_rank(statistics.median(times))
+    return statistics.median(times)
+
+
+def _in_step() -> None:
+    torch.cuda.synchronize()
+    dist.barrier()
+
+
+def median_time_us(fn: Callable[[], object], warmup: int, iters: int) -> float:
+    """Median GPU time of `fn` with every run started in step on all ranks; the slowest rank's."""
+    return slowest_rank(local_median_us(fn, warmup, iters, before_each=_in_step))
