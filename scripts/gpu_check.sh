@@ -2,11 +2,11 @@
 # One device call: build moe_ep._C, run tests/gpu, run the benchmarks; logs and JSON under $OUT, a
 # short table printed last.
 #   bash scripts/gpu_check.sh [parts] [extra intranode-benchmark args...]
-#   parts: comma list of build,test,bench,ll,layer (default build,test,bench,ll,layer);
+#   parts: comma list of build,test,bench,ll,layer,fp8gemm (default: all of them);
 #     test: every tests/gpu file on its own (FILE_TIMEOUT seconds each, one log), so a hang in one
 #     file costs only its own time; TESTS narrows the files, PYTEST_ARGS adds pytest options;
 #     bench: the intranode benchmark (BENCH_TIMEOUT); ll: the low-latency benchmark; layer: the MoE
-#     layer benchmark (LAYER_TIMEOUT).
+#     layer benchmark (LAYER_TIMEOUT); fp8gemm: the Triton FP8 grouped GEMM against BF16 on one GPU.
 # Benchmarks run with MOE_EP_CHECK_VALUES=0 (no front-end value checks, as in DeepEP).
 # Profiling build (per-phase kernel breakdown, tables in $OUT/bench.log, JSON key "profile"): MOE_EP_PROFILE=1 bash scripts/gpu_check.sh build,bench --profile --quick
 set -uo pipefail
@@ -14,7 +14,7 @@ export NCCL_NVLS_ENABLE=0 NVSHMEM_DISABLE_NVLS=1 TORCH_SYMM_MEM_DISABLE_MULTICAS
 export NVSHMEM_REMOTE_TRANSPORT=${NVSHMEM_REMOTE_TRANSPORT:-none}
 OUT=${OUT:-$PWD/out}
 mkdir -p "$OUT"
-PARTS=${1:-build,test,bench,ll,layer}
+PARTS=${1:-build,test,bench,ll,layer,fp8gemm}
 shift || true
 PY=${PYTHON:-python3}
 # MOE_EP_BUILD_LOW_LATENCY=0 leaves the low-latency part out of the build (setup.py).
@@ -78,6 +78,15 @@ if has layer; then
     rc=$?
     summary+=("bench MoE layer: rc=$rc in $(( $(date +%s) - start )) s")
     tail -12 "$OUT/bench_layer.log"
+fi
+
+if has fp8gemm; then
+    start=$(date +%s)
+    timeout ${FP8GEMM_TIMEOUT:-150} $PY benchmarks/bench_fp8_grouped_gemm.py --out "$OUT/bench_fp8_grouped_gemm.json" \
+        > "$OUT/bench_fp8gemm.log" 2>&1
+    rc=$?
+    summary+=("bench FP8 grouped GEMM: rc=$rc in $(( $(date +%s) - start )) s")
+    tail -8 "$OUT/bench_fp8gemm.log"
 fi
 
 echo "================ summary ================"
