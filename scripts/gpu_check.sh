@@ -7,7 +7,9 @@
 #     file costs only its own time; TESTS narrows the files, PYTEST_ARGS adds pytest options;
 #     bench: the intranode benchmark (BENCH_TIMEOUT); ll: the low-latency benchmark; layer: the MoE
 #     layer benchmark (LAYER_TIMEOUT); fp8gemm: the Triton FP8 grouped GEMM against BF16 on one GPU.
-# Benchmarks run with MOE_EP_CHECK_VALUES=0 (no front-end value checks, as in DeepEP).
+# Benchmarks run with MOE_EP_CHECK_VALUES=0 (no front-end value checks, as in DeepEP). At most 8 files come
+# back from $OUT, so all benchmark logs go to one bench.log (next to gpus.txt, build.log, pytest.log and
+# the benchmarks' JSON files).
 # Profiling build (per-phase kernel breakdown, tables in $OUT/bench.log, JSON key "profile"): MOE_EP_PROFILE=1 bash scripts/gpu_check.sh build,bench --profile --quick
 set -uo pipefail
 export NCCL_NVLS_ENABLE=0 NVSHMEM_DISABLE_NVLS=1 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 PYTHONUNBUFFERED=1
@@ -56,7 +58,7 @@ fi
 if has bench; then
     start=$(date +%s)
     MOE_EP_CHECK_VALUES=0 timeout ${BENCH_TIMEOUT:-300} $PY benchmarks/bench_intranode.py \
-        --out "$OUT/bench_intranode.json" "$@" > "$OUT/bench.log" 2>&1
+        --out "$OUT/bench_intranode.json" "$@" >> "$OUT/bench.log" 2>&1
     rc=$?
     summary+=("bench intranode: rc=$rc in $(( $(date +%s) - start )) s")
     tail -12 "$OUT/bench.log"
@@ -65,28 +67,28 @@ fi
 if has ll; then
     start=$(date +%s)
     timeout ${LL_TIMEOUT:-120} $PY benchmarks/bench_low_latency.py --out "$OUT/bench_low_latency.json" \
-        > "$OUT/bench_ll.log" 2>&1
+        >> "$OUT/bench.log" 2>&1
     rc=$?
     summary+=("bench low-latency: rc=$rc in $(( $(date +%s) - start )) s")
-    tail -4 "$OUT/bench_ll.log"
+    tail -4 "$OUT/bench.log"
 fi
 
 if has layer; then
     start=$(date +%s)
     MOE_EP_CHECK_VALUES=0 timeout ${LAYER_TIMEOUT:-200} $PY benchmarks/bench_moe_layer.py \
-        --out "$OUT/bench_moe_layer.json" > "$OUT/bench_layer.log" 2>&1
+        --out "$OUT/bench_moe_layer.json" >> "$OUT/bench.log" 2>&1
     rc=$?
     summary+=("bench MoE layer: rc=$rc in $(( $(date +%s) - start )) s")
-    tail -12 "$OUT/bench_layer.log"
+    tail -12 "$OUT/bench.log"
 fi
 
 if has fp8gemm; then
     start=$(date +%s)
     timeout ${FP8GEMM_TIMEOUT:-150} $PY benchmarks/bench_fp8_grouped_gemm.py --out "$OUT/bench_fp8_grouped_gemm.json" \
-        > "$OUT/bench_fp8gemm.log" 2>&1
+        >> "$OUT/bench.log" 2>&1
     rc=$?
     summary+=("bench FP8 grouped GEMM: rc=$rc in $(( $(date +%s) - start )) s")
-    tail -8 "$OUT/bench_fp8gemm.log"
+    tail -8 "$OUT/bench.log"
 fi
 
 echo "================ summary ================"
