@@ -55,41 +55,24 @@ if has test; then
     grep -E "^(FAILED|ERROR)" "$OUT/pytest.log" | head -30
 fi
 
-if has bench; then
+# run_bench LABEL TIMEOUT SCRIPT JSON [args...]: one benchmark, its log appended to bench.log. Value
+# checks off, as DeepEP has none.
+run_bench() {
+    local label=$1 limit=$2 script=$3 json=$4 start rc
+    shift 4
     start=$(date +%s)
-    MOE_EP_CHECK_VALUES=0 timeout ${BENCH_TIMEOUT:-300} $PY benchmarks/bench_intranode.py \
-        --out "$OUT/bench_intranode.json" "$@" >> "$OUT/bench.log" 2>&1
+    echo "================ $label" >> "$OUT/bench.log"
+    MOE_EP_CHECK_VALUES=0 timeout "$limit" $PY "benchmarks/$script" --out "$OUT/$json" "$@" >> "$OUT/bench.log" 2>&1
     rc=$?
-    summary+=("bench intranode: rc=$rc in $(( $(date +%s) - start )) s")
+    summary+=("bench $label: rc=$rc in $(( $(date +%s) - start )) s")
     tail -12 "$OUT/bench.log"
-fi
+}
 
-if has ll; then
-    start=$(date +%s)
-    timeout ${LL_TIMEOUT:-120} $PY benchmarks/bench_low_latency.py --out "$OUT/bench_low_latency.json" \
-        >> "$OUT/bench.log" 2>&1
-    rc=$?
-    summary+=("bench low-latency: rc=$rc in $(( $(date +%s) - start )) s")
-    tail -4 "$OUT/bench.log"
-fi
-
-if has layer; then
-    start=$(date +%s)
-    MOE_EP_CHECK_VALUES=0 timeout ${LAYER_TIMEOUT:-200} $PY benchmarks/bench_moe_layer.py \
-        --out "$OUT/bench_moe_layer.json" >> "$OUT/bench.log" 2>&1
-    rc=$?
-    summary+=("bench MoE layer: rc=$rc in $(( $(date +%s) - start )) s")
-    tail -12 "$OUT/bench.log"
-fi
-
-if has fp8gemm; then
-    start=$(date +%s)
-    timeout ${FP8GEMM_TIMEOUT:-150} $PY benchmarks/bench_fp8_grouped_gemm.py --out "$OUT/bench_fp8_grouped_gemm.json" \
-        >> "$OUT/bench.log" 2>&1
-    rc=$?
-    summary+=("bench FP8 grouped GEMM: rc=$rc in $(( $(date +%s) - start )) s")
-    tail -8 "$OUT/bench.log"
-fi
+has bench && run_bench intranode "${BENCH_TIMEOUT:-300}" bench_intranode.py bench_intranode.json "$@"
+has ll && run_bench low-latency "${LL_TIMEOUT:-120}" bench_low_latency.py bench_low_latency.json
+has layer && run_bench "MoE layer" "${LAYER_TIMEOUT:-200}" bench_moe_layer.py bench_moe_layer.json
+has fp8gemm && run_bench "FP8 grouped GEMM" "${FP8GEMM_TIMEOUT:-150}" bench_fp8_grouped_gemm.py \
+    bench_fp8_grouped_gemm.json
 
 echo "================ summary ================"
 printf '%s\n' "${summary[@]}"
