@@ -369,9 +369,16 @@ def run(rank: int, world: int, device: torch.device, opts: argparse.Namespace) -
         report(out, history, world, opts.short)
 
 
+def default_world(num_experts: int) -> int:
+    """One rank per GPU when the GPUs can share the experts evenly, else 2 CPU ranks."""
+    gpus = torch.cuda.device_count()
+    return gpus if gpus and num_experts % gpus == 0 else 2
+
+
 def parse_args() -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--world", type=int, default=2, help="ranks to spawn (ignored under torchrun)")
+    parser.add_argument("--world", type=int, default=None,
+                        help="ranks to spawn (default: one per GPU when there are GPUs, else 2; ignored under torchrun)")
     parser.add_argument("--steps", type=int, default=None, help="optimizer steps (default 250, --short 40)")
     parser.add_argument("--stop-at", type=int, default=None, help="save and stop at this step (as if preempted)")
     parser.add_argument("--batch", type=int, default=8, help="sequences per rank per step")
@@ -391,6 +398,7 @@ def parse_args() -> argparse.Namespace:
     if opts.init_from:
         opts.model_args = torch.load(opts.init_from, weights_only=True)["model_args"]
     opts.steps = opts.steps if opts.steps is not None else (40 if opts.short else 250)
+    opts.world = opts.world or default_world(ModelArgs(**opts.model_args).n_experts)
     return opts
 
 

@@ -2,20 +2,23 @@
 # One device call: build moe_ep._C, run tests/gpu, run the benchmarks; logs and JSON under $OUT, a
 # short table printed last.
 #   bash scripts/gpu_check.sh [parts] [extra intranode-benchmark args...]
-#   parts: comma list of build,test,bench,ll,layer,fp8gemm (default: all of them);
+#   parts: comma list of build,test,bench,ll,layer,fp8gemm,examples (default: all of them);
 #     test: every tests/gpu file on its own (FILE_TIMEOUT seconds each, one log), so a hang in one
 #     file costs only its own time; TESTS narrows the files, PYTEST_ARGS adds pytest options;
 #     bench: the intranode benchmark (BENCH_TIMEOUT); ll: the low-latency benchmark; layer: the MoE
-#     layer benchmark (LAYER_TIMEOUT); fp8gemm: the Triton FP8 grouped GEMM against BF16 on one GPU.
+#     layer benchmark (LAYER_TIMEOUT); fp8gemm: the Triton FP8 grouped GEMM against BF16 on one GPU;
+#     examples: the DeepSeek-V3-style training on every GPU and the accelerate fine-tuning on 2 GPUs
+#     (EXAMPLES_TIMEOUT each, output in examples.log, loss curve and metrics in files.tgz).
 # Benchmarks run with MOE_EP_CHECK_VALUES=0 (no front-end value checks, as in DeepEP). At most 8 files come
 # back from $OUT, so all benchmark logs go to one bench.log (next to gpus.txt, build.log, pytest.log and
-# the benchmarks' JSON files).
+# examples.log); JSON results and other files go to files.tgz.
 # Profiling build (per-phase kernel breakdown, tables in $OUT/bench.log, JSON key "profile"): MOE_EP_PROFILE=1 bash scripts/gpu_check.sh build,bench --profile --quick
 set -uo pipefail
 export NCCL_NVLS_ENABLE=0 NVSHMEM_DISABLE_NVLS=1 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 PYTHONUNBUFFERED=1
 export NVSHMEM_REMOTE_TRANSPORT=${NVSHMEM_REMOTE_TRANSPORT:-none}
 OUT=${OUT:-$PWD/out}
-mkdir -p "$OUT"
+FILES=$OUT/files
+mkdir -p "$OUT" "$FILES"
 PARTS=${1:-build,test,bench,ll,layer,fp8gemm}
 shift || true
 PY=${PYTHON:-python3}
@@ -62,7 +65,7 @@ run_bench() {
     shift 4
     start=$(date +%s)
     echo "================ $label" >> "$OUT/bench.log"
-    MOE_EP_CHECK_VALUES=0 timeout "$limit" $PY "benchmarks/$script" --out "$OUT/$json" "$@" >> "$OUT/bench.log" 2>&1
+    MOE_EP_CHECK_VALUES=0 timeout "$limit" $PY "benchmarks/$script" --out "$FILES/$json" "$@" >> "$OUT/bench.log" 2>&1
     rc=$?
     summary+=("bench $label: rc=$rc in $(( $(date +%s) - start )) s")
     tail -12 "$OUT/bench.log"
@@ -74,5 +77,27 @@ has layer && run_bench "MoE layer" "${LAYER_TIMEOUT:-200}" bench_moe_layer.py be
 has fp8gemm && run_bench "FP8 grouped GEMM" "${FP8GEMM_TIMEOUT:-150}" bench_fp8_grouped_gemm.py \
     bench_fp8_grouped_gemm.json
 
+# run_example LABEL COMMAND...: one example run, its output appended to examples.log.
+run_example() {
+    local label=$1 start rc
+    shift
+    start=$(date +%s)
+    echo "================ $label: $*" >> "$OUT/examples.log"
+    timeout "${EXAMPLES_TIMEOUT:-200}" "$@" >> "$OUT/examples.log" 2>&1
+    rc=$?
+    summary+=("example $label: rc=$rc in $(( $(date +%s) - start )) s: $(grep -a -E "validation loss|eval loss" "$OUT/examples.log" | tail -1)")
+}
+
+if has examples; then
+    runs=/tmp/moe_ep_examples
+    rm -rf "$runs"
+    run_example train $PY examples/train_deepseek_v3.py --out-dir "$runs/train"
+    cp "$runs/train/loss.png" "$FILES/train_loss_gpu.png" 2>/dev/null
+    cp "$runs/train/metrics.json" "$FILES/train_metrics_gpu.json" 2>/dev/null
+    run_example finetune accelerate launch --multi_gpu --num_processes 2 examples/finetune_hf_moe.py --short \
+        --out-dir "$runs/finetune"
+fi
+
+tar czf "$OUT/files.tgz" -C "$FILES" . && rm -rf "$FILES"
 echo "================ summary ================"
 printf '%s\n' "${summary[@]}"
