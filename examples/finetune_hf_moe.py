@@ -175,6 +175,7 @@ def main() -> None:
         if args.short and not (last < 0.9 * first and abs(reloaded - last) < 1e-3 * last):
             raise SystemExit("--short: the loss did not fall, or the saved model computes a different loss")
     accelerator.wait_for_everyone()
+    dist.destroy_process_group()
 
 
 if __name__ == "__main__":

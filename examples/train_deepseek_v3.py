@@ -158,11 +158,13 @@ class Transformer(nn.Module):
         self.head_dim = args.dim // args.n_heads
 
     def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+        """Float32 logits; on GPUs the blocks run under BF16 autocast (training and evaluation alike)."""
         cos, sin = rotary_tables(tokens.size(1), self.head_dim, tokens.device)
-        x = self.embed(tokens)
-        for layer in self.layers:
-            x = layer(x, cos, sin)
-        return self.head(self.norm(x)).float()
+        with torch.autocast(tokens.device.type, dtype=torch.bfloat16, enabled=tokens.is_cuda):
+            x = self.embed(tokens)
+            for layer in self.layers:
+                x = layer(x, cos, sin)
+            return self.head(self.norm(x)).float()
 
     def moe_layers(self) -> list[MoELayer]:
         return [m for m in self.modules() if isinstance(m, MoELayer)]
@@ -275,9 +277,7 @@ def train_step(model: Transformer, optimizers: dict[str, torch.optim.Optimizer],
                lr: float) -> tuple[float, float]:
     """One optimizer step on every rank's batch; returns the mean loss over ranks and the balance
     (max / mean tokens per expert over all ranks, averaged over the MoE layers)."""
-    device = x.device
-    with torch.autocast(device.type, dtype=torch.bfloat16, enabled=device.type == "cuda"):
-        loss = F.cross_entropy(model(x).flatten(0, 1), y.flatten())
+    loss = F.cross_entropy(model(x).flatten(0, 1), y.flatten())
     loss.backward()
     sync_gradients(model)
     for optimizer in optimizers.values():
@@ -288,7 +288,7 @@ def train_step(model: Transformer, optimizers: dict[str, torch.optim.Optimizer],
     for moe in model.moe_layers():
         moe.router.update_expert_bias(group=moe.group)
     counts = torch.stack([moe.router.last_metrics["tokens_per_expert"].float() for moe in model.moe_layers()])
-    stats = torch.cat([loss.detach().float().reshape(1), counts.flatten().to(device)])
+    stats = torch.cat([loss.detach().float().reshape(1), counts.flatten().to(x.device)])
     dist.all_reduce(stats)
     counts = stats[1:].view_as(counts)
     return stats[0].item() / dist.get_world_size(), (counts.max(-1).values / counts.mean(-1)).mean().item()

@@ -20,6 +20,7 @@ import torch.multiprocessing as mp
 from moe_ep.launch import free_port
 
 GLOO_TIMEOUT_S = 30
+FAILURE_GRACE_S = 15
 
 
 def _worker(rank: int, world: int, port: int, backend: str, tasks: Any, results: Any) -> None:
@@ -66,15 +67,21 @@ class DistPool:
         for task_queue in self.tasks:
             task_queue.put((fn, args, kwargs))
         outcomes: dict[int, tuple[bool, Any]] = {}
+        missing: list[int] = []
         try:
             while len(outcomes) < self.world:
-                rank, ok, value = self.results.get(timeout=timeout)
+                # Once a rank has failed, its peers may wait on it inside a collective forever: give
+                # them a short grace, then report the failure rather than a hang.
+                failed = any(not ok for ok, _ in outcomes.values())
+                rank, ok, value = self.results.get(timeout=min(timeout, FAILURE_GRACE_S) if failed else timeout)
                 outcomes[rank] = (ok, value)
         except queue.Empty:
             self.broken = True
             missing = sorted(set(range(self.world)) - set(outcomes))
-            raise AssertionError(f"ranks {missing} did not answer within {timeout} s (hang)") from None
         failures = [f"--- rank {r} ---\n{v}" for r, (ok, v) in sorted(outcomes.items()) if not ok]
+        if missing:
+            failures.append(f"ranks {missing} did not answer within {timeout} s (hang)" if not failures
+                            else f"ranks {missing} stopped answering after the failure above")
         if failures:
             raise AssertionError("\n".join(failures))
         return [outcomes[r][1] for r in range(self.world)]
