@@ -1,0 +1,84 @@
+"""The fused Triton FP8 casts are bit for bit the reference casts of `moe_ep.ops.fp8`.
+
+Compiled on a GPU, in Triton's interpreter elsewhere (see `triton_kernels`). Skipped without Triton.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from moe_ep.ops import fp8
+from triton_kernels import DEVICE, import_kernels, interpret_without_cuda
+
+casts = import_kernels("moe_ep.layers.fp8_casts")
+
+
+@pytest.fixture(autouse=True)
+def _interpret(monkeypatch) -> None:
+    interpret_without_cuda(monkeypatch)
+
+
+def awkward_rows(num_rows: int, depth: int, seed: int) -> torch.Tensor:
+    """Rows over twelve decades, with all-zero, below-floor, huge and exact-tie blocks."""
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(num_rows, depth, generator=g) * torch.logspace(-8, 4, num_rows)[:, None]
+    x[0] = 0.0
+    x[1, :fp8.BLOCK] = 1e-9
+    x[2, 3] = -3e4
+    # amax 448 makes the scale exactly 1: halfway values must round to the even neighbour, also
+    # across a binade (15.5 -> 16) and among the subnormals (2**-10 -> 0, 3 * 2**-10 -> 2**-8).
+    x[3, :8] = torch.tensor([448.0, 1.0625, 1.1875, -15.5, 2.0 ** -10, 3 * 2.0 ** -10, -(2.0 ** -10), 0.0])
+    x[3, 8] = -0.0
+    return x
+
+
+def assert_same_fp8(got: torch.Tensor, want: torch.Tensor) -> None:
+    assert got.dtype == fp8.FP8_DTYPE and got.shape == want.shape
+    assert torch.equal(got.cpu().view(torch.uint8), want.view(torch.uint8))
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32, torch.float16])
+def test_per_token_cast_is_bitwise_the_reference(dtype: torch.dtype) -> None:
+    x = awkward_rows(77, 3 * fp8.BLOCK, seed=0).to(dtype)  # 77 rows: a partial row block
+    q, scales = casts.per_token_cast_to_fp8(x.to(DEVICE))
+    want_q, want_scales = fp8.per_token_cast_to_fp8(x)
+    assert_same_fp8(q, want_q)
+    assert scales.dtype == torch.float32 and torch.equal(scales.cpu(), want_scales)
+    assert q[3, :9].float().tolist() == [448.0, 1.0, 1.25, -16.0, 0.0, 2.0 ** -8, 0.0, 0.0, 0.0]
+    assert q[3, 6].view(torch.uint8) == q[3, 8].view(torch.uint8) == 0x80  # -0.0
+
+
+def test_per_token_cast_of_strided_batched_rows() -> None:
+    x = awkward_rows(2 * 5, 4 * fp8.BLOCK, seed=1).bfloat16().view(2, 5, -1)[..., fp8.BLOCK:]
+    q, scales = casts.per_token_cast_to_fp8(x.to(DEVICE))
+    want_q, want_scales = fp8.per_token_cast_to_fp8(x)
+    assert_same_fp8(q, want_q)
+    assert torch.equal(scales.cpu(), want_scales)
+
+
+@pytest.mark.parametrize("shape", [(3, 200, 300), (2, 256, 384), (128, 128)])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_per_block_cast_and_transpose_are_bitwise_the_reference(shape: tuple[int, ...], dtype: torch.dtype) -> None:
+    g = torch.Generator().manual_seed(2)
+    w = torch.randn(shape, generator=g) * 0.02
+    w[..., :fp8.BLOCK, :fp8.BLOCK] = 0.0  # an all-zero block takes the amax floor
+    w[..., -1, -1] = 3e4  # a huge value in the last (possibly partial) block
+    w = w.to(dtype)
+    q, scales, q_t = casts.per_block_cast_to_fp8_with_transpose(w.to(DEVICE))
+    want_q, want_scales = fp8.per_block_cast_to_fp8(w)
+    assert_same_fp8(q, want_q)
+    assert torch.equal(scales.cpu(), want_scales)
+    assert q_t.is_contiguous()
+    assert_same_fp8(q_t, want_q.transpose(-2, -1))
+
+
+def test_casts_reject_bad_input() -> None:
+    with pytest.raises(ValueError, match="x"):
+        casts.per_token_cast_to_fp8(torch.zeros(4, 200, device=DEVICE))
+    with pytest.raises(TypeError, match="x"):
+        casts.per_token_cast_to_fp8(torch.zeros(4, 128, dtype=torch.int32, device=DEVICE))
+    with pytest.raises(ValueError, match="w"):
+        casts.per_block_cast_to_fp8_with_transpose(torch.zeros(128, device=DEVICE))
+    with pytest.raises(TypeError, match="w"):
+        casts.per_block_cast_to_fp8_with_transpose(torch.zeros(128, 128, dtype=torch.float64, device=DEVICE))
