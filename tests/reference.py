@@ -24,9 +24,14 @@ class RankInputs:
 
 
 def to_cpu(value: object) -> object:
-    """Tensors (also inside tuples and NamedTuples) moved to the CPU for comparison with the reference."""
+    """Tensors (also inside tuples, NamedTuples, lists and dicts) moved to the CPU for comparison with
+    the reference (and so that no CUDA tensor crosses a process boundary)."""
     if isinstance(value, torch.Tensor):
         return value.cpu()
+    if isinstance(value, dict):
+        return {k: to_cpu(v) for k, v in value.items()}
+    if isinstance(value, list):
+        return [to_cpu(v) for v in value]
     if isinstance(value, tuple):
         items = [to_cpu(v) for v in value]
         return type(value)(*items) if hasattr(value, "_fields") else tuple(items)
