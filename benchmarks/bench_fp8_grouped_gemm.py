@@ -1,11 +1,12 @@
-"""Triton blockwise FP8 grouped GEMMs against BF16 `torch._grouped_mm` on one GPU.
+"""Triton blockwise FP8 grouped GEMMs and FP8 casts against BF16 `torch._grouped_mm` on one GPU.
 
 DeepSeek-V3 expert shapes on one rank: 64 local experts, about 32768 expert-major rows in uneven
 segments padded to 16 rows; the gate/up projection (K 7168 -> M 4096) and the down projection
-(K 2048 -> M 7168). For each: forward and input gradient (dgrad), FP8 vs BF16, CUDA-event medians.
-The FP8 dgrad includes its K-major copy of the FP8 weight; `fp8_dgrad_strided_weight` skips the
-copy (Triton transposes tiles on chip) to show whether the copy pays. `cast_rows_us` is the 1x128
-cast of the GEMM's input rows, which the FP8 path adds. Prints JSON (and writes it with --out).
+(K 2048 -> M 7168). For each: forward and input gradient (dgrad: the same kernel against the
+transposed FP8 weight), FP8 vs BF16, CUDA-event medians; the autotuned tile and every tile's time;
+the fused Triton casts (1x128 rows of the GEMM input and of the output gradient, 128x128 weight cast
+with its transposed copy) against the torch reference casts, which they must equal bit for bit.
+Prints JSON, then a table (and writes the JSON with --out).
 
     python benchmarks/bench_fp8_grouped_gemm.py --out benchmarks/results/fp8_grouped_gemm.json
 """
@@ -14,15 +15,18 @@ from __future__ import annotations
 
 import argparse
 import json
+from typing import Callable, Optional
 
 import torch
 import triton
 
-from moe_ep.layers.fp8_grouped_gemm import fp8_grouped_dgrad, fp8_grouped_mm
+from moe_ep.layers import fp8_grouped_gemm as gemm
+from moe_ep.layers.fp8_casts import per_block_cast_to_fp8_with_transpose, per_token_cast_to_fp8
 from moe_ep.ops import fp8
 from timing import local_median_us
 
 ALIGNMENT = 16
+PROJECTIONS = {"gate_up": (7168, 4096), "down": (2048, 7168)}  # (K, M) of the forward
 
 
 def segment_counts(num_experts: int, rows: int, seed: int) -> list[int]:
@@ -37,47 +41,118 @@ def relative_error(got: torch.Tensor, want: torch.Tensor) -> float:
     return float((got.double() - want.double()).norm() / want.double().norm())
 
 
+def same_bits(got: tuple[torch.Tensor, ...], want: tuple[torch.Tensor, ...]) -> bool:
+    return all(torch.equal(g.view(torch.uint8) if g.dtype == fp8.FP8_DTYPE else g,
+                           w.view(torch.uint8) if w.dtype == fp8.FP8_DTYPE else w) for g, w in zip(got, want))
+
+
+def tile_name(config: triton.Config) -> str:
+    k = config.kwargs
+    return f"{k['BLOCK_M']}x{k['BLOCK_N']} w{config.num_warps} s{config.num_stages}"
+
+
+def time_each_tile(run: Callable[[Optional[triton.Config]], object], n_out: int) -> dict[str, Optional[float]]:
+    """Median time of `run(config)` for every tile that fits; None where it does not compile."""
+    times = {}
+    for config in gemm.CONFIGS:
+        if n_out % config.kwargs["BLOCK_N"]:
+            continue
+        try:
+            times[tile_name(config)] = local_median_us(lambda: run(config), warmup=2, iters=5)
+        except Exception as error:  # noqa: BLE001 - a tile that fails to compile is a result, not a crash
+            print(f"tile {tile_name(config)}: {type(error).__name__}: {str(error)[:200]}")
+            times[tile_name(config)] = None
+    return times
+
+
+def bench_casts(x: torch.Tensor, grad: torch.Tensor, w: torch.Tensor) -> dict:
+    """Fused Triton casts vs the torch reference: equality, times, and the Triton casts' bandwidth."""
+    results = {"casts_bitwise": (same_bits(per_token_cast_to_fp8(x), fp8.per_token_cast_to_fp8(x))
+                                 and same_bits(per_token_cast_to_fp8(grad), fp8.per_token_cast_to_fp8(grad))
+                                 and same_bits(per_block_cast_to_fp8_with_transpose(w)[:2],
+                                               fp8.per_block_cast_to_fp8(w)))}
+    for name, tensor in (("rows", x), ("grad_rows", grad)):
+        results[f"cast_{name}_us"] = local_median_us(lambda: per_token_cast_to_fp8(tensor))
+        results[f"cast_{name}_torch_us"] = local_median_us(lambda: fp8.per_token_cast_to_fp8(tensor), iters=5)
+        bytes_moved = tensor.numel() * (tensor.element_size() + 1)
+        results[f"cast_{name}_gbps"] = bytes_moved / results[f"cast_{name}_us"] / 1e3
+    results["cast_weight_us"] = local_median_us(lambda: per_block_cast_to_fp8_with_transpose(w))
+    results["cast_weight_torch_us"] = local_median_us(lambda: fp8.per_block_cast_to_fp8(w), iters=5)
+    results["cast_weight_gbps"] = w.numel() * (w.element_size() + 2) / results["cast_weight_us"] / 1e3
+    return results
+
+
 def bench_projection(num_experts: int, rows: int, depth: int, width: int, seed: int) -> dict:
-    """Forward `[N, depth] -> [N, width]` and its dgrad, FP8 Triton vs BF16 grouped GEMMs."""
+    """Forward `[N, depth] -> [N, width]` and its dgrad, FP8 Triton vs BF16 grouped GEMMs, and the casts."""
     counts = segment_counts(num_experts, rows, seed)
     num_rows = sum(counts)
     ends = torch.tensor(counts, device="cuda").cumsum(0).to(torch.int32)
     x = torch.randn(num_rows, depth, device="cuda", dtype=torch.bfloat16)
     grad = torch.randn(num_rows, width, device="cuda", dtype=torch.bfloat16)
     w = torch.randn(num_experts, width, depth, device="cuda", dtype=torch.bfloat16) / depth ** 0.5
-    qx, sx = fp8.per_token_cast_to_fp8(x)
-    qg, sg = fp8.per_token_cast_to_fp8(grad)
-    qw, sw = fp8.per_block_cast_to_fp8(w)
-    del w
+    casts = bench_casts(x, grad, w)
+    qx, sx = per_token_cast_to_fp8(x)
+    qg, sg = per_token_cast_to_fp8(grad)
+    qw, sw, qw_t = per_block_cast_to_fp8_with_transpose(w)
+    sw_t = sw.transpose(-2, -1)
     w = fp8.per_block_cast_back(qw, sw, torch.bfloat16)  # both paths multiply the same weights
+
+    def forward(config: Optional[triton.Config] = None) -> torch.Tensor:
+        return gemm.fp8_grouped_mm(qx, sx, qw, sw, ends, config=config)
+
+    def dgrad(config: Optional[triton.Config] = None) -> torch.Tensor:
+        return gemm.fp8_grouped_mm(qg, sg, qw_t, sw_t, ends, config=config)
 
     # Correctness on the first expert's rows against the dequantized math (FP32 dense).
     first = slice(0, counts[0])
     dense_w = w[0].float()
-    dense_x = fp8.per_token_cast_back(qx[first], sx[first], torch.float32)
-    dense_g = fp8.per_token_cast_back(qg[first], sg[first], torch.float32)
     checks = {
-        "forward_rel_err": relative_error(fp8_grouped_mm(qx, sx, qw, sw, ends)[first], dense_x @ dense_w.t()),
-        "dgrad_rel_err": relative_error(fp8_grouped_dgrad(qg, sg, qw, sw, ends)[first], dense_g @ dense_w),
+        "forward_rel_err": relative_error(forward()[first], fp8.per_token_cast_back(qx, sx, torch.float32)[first]
+                                          @ dense_w.t()),
+        "forward_tile": tile_name(gemm._grouped_mm_kernel.best_config),
+        "dgrad_rel_err": relative_error(dgrad()[first], fp8.per_token_cast_back(qg, sg, torch.float32)[first]
+                                        @ dense_w),
+        "dgrad_tile": tile_name(gemm._grouped_mm_kernel.best_config),
     }
 
-    flops = 2 * num_rows * depth * width
     w_t = w.transpose(-2, -1)
     times = {
         "bf16_forward_us": local_median_us(lambda: torch._grouped_mm(x, w_t, offs=ends)),
-        "fp8_forward_us": local_median_us(lambda: fp8_grouped_mm(qx, sx, qw, sw, ends)),
+        "fp8_forward_us": local_median_us(forward),
         "bf16_dgrad_us": local_median_us(lambda: torch._grouped_mm(grad, w, offs=ends)),
-        "fp8_dgrad_us": local_median_us(lambda: fp8_grouped_dgrad(qg, sg, qw, sw, ends)),
-        "fp8_dgrad_strided_weight_us": local_median_us(
-            lambda: fp8_grouped_mm(qg, sg, qw.transpose(-2, -1), sw.transpose(-2, -1), ends)),
-        "cast_rows_us": local_median_us(lambda: fp8.per_token_cast_to_fp8(x)),
+        "fp8_dgrad_us": local_median_us(dgrad),
     }
-    tflops = {name.replace("_us", "_tflops"): flops / (t * 1e-6) / 1e12
-              for name, t in times.items() if name != "cast_rows_us"}
+    flops = 2 * num_rows * depth * width
+    tflops = {name.replace("_us", "_tflops"): flops / (t * 1e-6) / 1e12 for name, t in times.items()}
+    tiles = {"forward_tiles_us": time_each_tile(forward, width), "dgrad_tiles_us": time_each_tile(dgrad, depth)}
     return {"num_experts": num_experts, "rows": num_rows, "K": depth, "M": width,
-            **checks, **times, **tflops,
+            **checks, **times, **tflops, **casts, **tiles,
             "fp8_over_bf16_forward": times["bf16_forward_us"] / times["fp8_forward_us"],
             "fp8_over_bf16_dgrad": times["bf16_dgrad_us"] / times["fp8_dgrad_us"]}
+
+
+def table(results: dict) -> str:
+    """GEMMs (BF16 vs FP8, autotuned tile), casts (Triton vs torch), and every tile's time."""
+    lines = [f"{results['device']}, triton {results['triton']}",
+             f"{'GEMM':16s} {'bf16 us':>8s} {'fp8 us':>8s} {'fp8/bf16':>8s} {'fp8 TF/s':>8s} {'rel err':>8s}  tile"]
+    for proj in PROJECTIONS:
+        r = results[proj]
+        for op in ("forward", "dgrad"):
+            lines.append(f"{proj + ' ' + op:16s} {r[f'bf16_{op}_us']:8.0f} {r[f'fp8_{op}_us']:8.0f} "
+                         f"{r[f'fp8_over_bf16_{op}']:8.2f} {r[f'fp8_{op}_tflops']:8.0f} "
+                         f"{r[f'{op}_rel_err']:8.1e}  {r[f'{op}_tile']}")
+    lines.append(f"{'cast':16s} {'torch us':>8s} {'fp8 us':>8s} {'GB/s':>8s}  (bitwise equal: "
+                 + ", ".join(f"{p} {results[p]['casts_bitwise']}" for p in PROJECTIONS) + ")")
+    for proj in PROJECTIONS:
+        r = results[proj]
+        for name in ("rows", "grad_rows", "weight"):
+            lines.append(f"{proj + ' ' + name:16s} {r[f'cast_{name}_torch_us']:8.0f} {r[f'cast_{name}_us']:8.0f} "
+                         f"{r[f'cast_{name}_gbps']:8.0f}")
+    lines.append("tile (us)          " + " ".join(f"{p + ' ' + op:>14s}" for p in PROJECTIONS for op in ("fwd", "dgrad")))
+    for tile in (tile_name(c) for c in gemm.CONFIGS):
+        cells = [results[p][f"{op}_tiles_us"].get(tile) for p in PROJECTIONS for op in ("forward", "dgrad")]
+        lines.append(f"{tile:18s} " + " ".join(f"{'-' if c is None else f'{c:.0f}':>14s}" for c in cells))
+    return "\n".join(lines)
 
 
 def main() -> None:
@@ -86,18 +161,16 @@ def main() -> None:
     parser.add_argument("--rows", type=int, default=32768)
     parser.add_argument("--out", default=None, help="also write the JSON here")
     args = parser.parse_args()
-    results = {
-        "device": torch.cuda.get_device_name(),
-        "torch": torch.__version__,
-        "triton": triton.__version__,
-        "gate_up": bench_projection(args.experts, args.rows, 7168, 4096, seed=0),
-        "down": bench_projection(args.experts, args.rows, 2048, 7168, seed=1),
-    }
+    results = {"device": torch.cuda.get_device_name(), "torch": torch.__version__, "triton": triton.__version__}
+    for seed, (proj, (depth, width)) in enumerate(PROJECTIONS.items()):
+        results[proj] = bench_projection(args.experts, args.rows, depth, width, seed=seed)
+        torch.cuda.empty_cache()
     text = json.dumps(results, indent=2)
     print(text)
     if args.out:
         with open(args.out, "w") as f:
             f.write(text + "\n")
+    print(table(results))
 
 
 if __name__ == "__main__":

@@ -13,7 +13,9 @@ Backward is the gradient of the computed function with the FP8 casts treated as 
 and input gradients the dequantized weights. It runs in BF16, except on CUDA with Triton (sm_90+),
 where both FP8 GEMMs and the input-gradient GEMMs run as blockwise-scaled FP8 grouped GEMMs
 (`fp8_grouped_gemm`): the output gradients are then cast to e4m3 (1x128) for the input-gradient
-GEMMs, one more rounding of the same straight-through gradient. Weight gradients stay BF16.
+GEMMs, one more rounding of the same straight-through gradient. Weight gradients stay BF16. There
+the casts are fused Triton kernels (`fp8_casts`, bit for bit those of `moe_ep.ops.fp8`), and the
+weight cast also writes each weight transposed, which the input-gradient GEMM reads.
 """
 
 from __future__ import annotations
@@ -21,7 +23,7 @@ from __future__ import annotations
 import math
 from functools import cache, cached_property
 from types import ModuleType
-from typing import Optional, Sequence, Union
+from typing import NamedTuple, Optional, Sequence, Union
 
 import torch
 import torch.nn.functional as F
@@ -33,6 +35,19 @@ from ..ops.validation import check_tensor
 
 FP8Tokens = tuple[torch.Tensor, torch.Tensor]
 """`(q float8_e4m3fn [..., H], scales)`: `per_token_cast_to_fp8` output (float32 or UE8M0 scales)."""
+
+
+class FP8Weight(NamedTuple):
+    """Expert weights `[E, M, K]` cast to e4m3 with float32 128x128 block `scales [E, M/128, K/128]`.
+
+    `q_t` is `q` transposed (`[E, K, M]`, contiguous) where the weights were cast for the Triton
+    GEMMs, whose input-gradient GEMM reads it; None elsewhere.
+    """
+
+    q: torch.Tensor
+    scales: torch.Tensor
+    q_t: Optional[torch.Tensor] = None
+
 
 _GROUPED_MM = getattr(F, "grouped_mm", None) or getattr(torch, "_grouped_mm", None)
 # cuBLAS blockwise FP8 GEMMs want the rows of A in multiples of this.
@@ -118,20 +133,42 @@ def grouped_weight_grad(grad: torch.Tensor, x: torch.Tensor, seg: ExpertSegments
     return out
 
 
+class _TritonFP8(NamedTuple):
+    casts: ModuleType
+    gemm: ModuleType
+
+
 @cache
-def _triton_fp8_gemms() -> Optional[ModuleType]:
-    """`fp8_grouped_gemm`, imported on first use (Triton is optional and slow to import), or None."""
+def _triton_fp8() -> Optional[_TritonFP8]:
+    """The Triton FP8 casts and grouped GEMM, imported on first use (Triton is optional and slow to
+    import), or None."""
     try:
-        from . import fp8_grouped_gemm
+        from . import fp8_casts, fp8_grouped_gemm
     except ImportError:
         return None
-    return fp8_grouped_gemm
+    return _TritonFP8(fp8_casts, fp8_grouped_gemm)
 
 
 def _triton_fp8_available(device: torch.device) -> bool:
-    """The Triton blockwise FP8 grouped GEMMs need FP8 tensor cores (sm_90+) and Triton."""
+    """The Triton blockwise FP8 kernels need FP8 tensor cores (sm_90+) and Triton."""
     return (device.type == "cuda" and torch.cuda.get_device_capability(device) >= (9, 0)
-            and _triton_fp8_gemms() is not None)
+            and _triton_fp8() is not None)
+
+
+def cast_rows_to_fp8(x: torch.Tensor) -> FP8Tokens:
+    """`per_token_cast_to_fp8(x)` (1x128, float32 scales): one fused Triton pass where the Triton
+    FP8 kernels run, else the reference."""
+    if _triton_fp8_available(x.device):
+        return _triton_fp8().casts.per_token_cast_to_fp8(x)
+    return per_token_cast_to_fp8(x)
+
+
+def cast_weight_to_fp8(weight: torch.Tensor) -> FP8Weight:
+    """`per_block_cast_to_fp8(weight)` (128x128), with the transposed copy where the Triton FP8
+    kernels run (one fused pass)."""
+    if _triton_fp8_available(weight.device):
+        return FP8Weight(*_triton_fp8().casts.per_block_cast_to_fp8_with_transpose(weight))
+    return FP8Weight(*per_block_cast_to_fp8(weight))
 
 
 def _blockwise_fp8_gemm_available(device: torch.device) -> bool:
@@ -139,26 +176,26 @@ def _blockwise_fp8_gemm_available(device: torch.device) -> bool:
     return device.type == "cuda" and hasattr(F, "scaled_mm") and torch.cuda.get_device_capability(device) == (9, 0)
 
 
-def fp8_grouped_linear(x: FP8Tokens, weight: FP8Tokens, seg: ExpertSegments) -> torch.Tensor:
+def fp8_grouped_linear(x: FP8Tokens, weight: FP8Weight, seg: ExpertSegments) -> torch.Tensor:
     """Blockwise-scaled `x[rows of e] @ weight[e].T` in FP32, rounded to BF16.
 
-    `x` is `(q [N, K], scales [N, K/128] float32)`, `weight` `(q [E, M, K], scales [E, M/128, K/128])`.
+    `x` is `(q [N, K], scales [N, K/128] float32)`, `weight` `[E, M, K]` blockwise e4m3.
     Rows outside every segment are unspecified (callers mask them). On CUDA sm_90+ with Triton this
     is one grouped FP8 GEMM with device offsets; on sm_90 without Triton, one cuBLAS FP8 GEMM per
     expert (host-side bounds); elsewhere the reference: the same products of dequantized values,
     accumulated in FP32.
     """
     if _triton_fp8_available(x[0].device):
-        return _triton_fp8_gemms().fp8_grouped_mm(*x, *weight, seg.offsets)
+        return _triton_fp8().gemm.fp8_grouped_mm(*x, weight.q, weight.scales, seg.offsets)
     if _blockwise_fp8_gemm_available(x[0].device):
         return _scaled_mm_per_expert(x, weight, seg)
     dense_x = per_token_cast_back(*x, dtype=torch.float32)
-    dense_w = per_block_cast_back(*weight, dtype=torch.float32)
+    dense_w = per_block_cast_back(weight.q, weight.scales, dtype=torch.float32)
     return grouped_linear(dense_x, dense_w, seg).to(torch.bfloat16)
 
 
-def _scaled_mm_per_expert(x: FP8Tokens, weight: FP8Tokens, seg: ExpertSegments) -> torch.Tensor:
-    (q, scales), (w_q, w_scales) = x, weight
+def _scaled_mm_per_expert(x: FP8Tokens, weight: FP8Weight, seg: ExpertSegments) -> torch.Tensor:
+    (q, scales), (w_q, w_scales) = x, weight[:2]
     # cuBLAS also wants the weight scales' K-block count padded to a multiple of 4.
     w_scales = F.pad(w_scales, (0, -w_scales.size(-1) % 4))
     out = q.new_zeros(q.size(0), w_q.size(-2), dtype=torch.bfloat16)
@@ -177,16 +214,18 @@ def _scaled_mm_per_expert(x: FP8Tokens, weight: FP8Tokens, seg: ExpertSegments) 
     return out
 
 
-def fp8_grouped_input_grad(grad: torch.Tensor, weight: FP8Tokens, seg: ExpertSegments) -> torch.Tensor:
+def fp8_grouped_input_grad(grad: torch.Tensor, weight: FP8Weight, seg: ExpertSegments) -> torch.Tensor:
     """`grad[rows of e] @ dequant(weight[e])`: the input gradient of `fp8_grouped_linear`, `[N, M] -> [N, K]`.
 
-    With Triton on CUDA, `grad` is cast to e4m3 (1x128 along M) and the product runs as an FP8
-    grouped GEMM; elsewhere in BF16 on the dequantized weight. Rows outside every segment are
-    unspecified.
+    With the transposed weight (`weight.q_t`, cast for the Triton kernels), `grad` is cast to e4m3
+    (1x128 along M) and the product runs as the forward's FP8 grouped GEMM against `W[e]^T`, whose
+    128x128 block scales are `W[e]`'s transposed; elsewhere in BF16 on the dequantized weight. Rows
+    outside every segment are unspecified.
     """
-    if _triton_fp8_available(grad.device):
-        return _triton_fp8_gemms().fp8_grouped_dgrad(*per_token_cast_to_fp8(grad), *weight, seg.offsets)
-    return grouped_linear(grad, per_block_cast_back(*weight, grad.dtype).transpose(-2, -1), seg)
+    if weight.q_t is not None:
+        return _triton_fp8().gemm.fp8_grouped_mm(*cast_rows_to_fp8(grad), weight.q_t,
+                                                 weight.scales.transpose(-2, -1), seg.offsets)
+    return grouped_linear(grad, per_block_cast_back(weight.q, weight.scales, grad.dtype).transpose(-2, -1), seg)
 
 
 class _FP8SwiGLU(torch.autograd.Function):
@@ -194,12 +233,12 @@ class _FP8SwiGLU(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, q: torch.Tensor, scales: torch.Tensor, carrier: Optional[torch.Tensor],
-                gate_up_proj: torch.Tensor, down_proj: torch.Tensor, weights_8: tuple[FP8Tokens, FP8Tokens],
+                gate_up_proj: torch.Tensor, down_proj: torch.Tensor, weights_8: tuple[FP8Weight, FP8Weight],
                 seg: ExpertSegments) -> torch.Tensor:
         """`weights_8` are the FP8 casts of the two weights, which only receive the gradients."""
         gate_up_8, down_8 = weights_8
         z = seg.mask(fp8_grouped_linear((q, scales), gate_up_8, seg))
-        h_8 = per_token_cast_to_fp8(swiglu(*z.chunk(2, dim=-1)))
+        h_8 = cast_rows_to_fp8(swiglu(*z.chunk(2, dim=-1)))
         y = seg.mask(fp8_grouped_linear(h_8, down_8, seg))
         ctx.save_for_backward(q, scales, z, *h_8, *gate_up_8, *down_8)
         ctx.seg = seg
@@ -209,13 +248,14 @@ class _FP8SwiGLU(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad_y: torch.Tensor):
-        q, scales, z, h_q, h_scales, gu_q, gu_scales, down_q, down_scales = ctx.saved_tensors
+        q, scales, z, h_q, h_scales, *weights = ctx.saved_tensors
+        gate_up_8, down_8 = FP8Weight(*weights[:3]), FP8Weight(*weights[3:])
         seg: ExpertSegments = ctx.seg
         bf16 = torch.bfloat16
         grad_y = seg.mask(grad_y.to(bf16).contiguous())
         h = per_token_cast_back(h_q, h_scales, bf16)
         grad_down = grouped_weight_grad(grad_y, h, seg)
-        grad_h = fp8_grouped_input_grad(grad_y, (down_q, down_scales), seg)
+        grad_h = fp8_grouped_input_grad(grad_y, down_8, seg)
         with torch.enable_grad():
             z_leaf = z.detach().requires_grad_()
             (grad_z,) = torch.autograd.grad(swiglu(*z_leaf.chunk(2, dim=-1)), z_leaf, seg.mask(grad_h))
@@ -223,7 +263,7 @@ class _FP8SwiGLU(torch.autograd.Function):
         grad_gate_up = grouped_weight_grad(grad_z, x, seg)
         grad_x = None
         if ctx.carrier_dtype is not None:
-            grad_x = seg.mask(fp8_grouped_input_grad(grad_z, (gu_q, gu_scales), seg)).to(ctx.carrier_dtype)
+            grad_x = seg.mask(fp8_grouped_input_grad(grad_z, gate_up_8, seg)).to(ctx.carrier_dtype)
         gate_up_dtype, down_dtype = ctx.weight_dtypes
         return None, None, grad_x, grad_gate_up.to(gate_up_dtype), grad_down.to(down_dtype), None, None
 
@@ -263,7 +303,7 @@ class GroupedMLP(nn.Module):
         self.intermediate_size = intermediate_size
         self.use_fp8 = use_fp8
         self.cache_fp8_weights = cache_fp8_weights
-        self._fp8_weight_cache: Optional[tuple[tuple, tuple[FP8Tokens, FP8Tokens]]] = None
+        self._fp8_weight_cache: Optional[tuple[tuple, tuple[FP8Weight, FP8Weight]]] = None
         factory = {"device": device, "dtype": dtype}
         self.gate_up_proj = nn.Parameter(torch.empty(num_local_experts, 2 * intermediate_size, hidden_size, **factory))
         self.down_proj = nn.Parameter(torch.empty(num_local_experts, hidden_size, intermediate_size, **factory))
@@ -312,7 +352,7 @@ class GroupedMLP(nn.Module):
             out = self._from_fp8_tokens(flat(x[0]), flat(_float_scales(*x)), carrier, seg)
         elif self.use_fp8:
             # Straight-through: `x` itself carries the gradient of the tokens' FP8 cast.
-            out = self._fp8(*per_token_cast_to_fp8(flat(x).detach()), flat(x), seg)
+            out = self._fp8(*cast_rows_to_fp8(flat(x).detach()), flat(x), seg)
         else:
             out = self._bf16(flat(x), seg)
         if routing_weights is not None:
@@ -356,11 +396,11 @@ class GroupedMLP(nn.Module):
         return _FP8SwiGLU.apply(q, scales, carrier, self.gate_up_proj, self.down_proj, self._fp8_weights(), seg)
 
     @torch.no_grad()
-    def _fp8_weights(self) -> tuple[FP8Tokens, FP8Tokens]:
+    def _fp8_weights(self) -> tuple[FP8Weight, FP8Weight]:
         params = (self.gate_up_proj, self.down_proj)
         key = tuple((p._version, p.data_ptr(), p.device, p.dtype) for p in params)
         if self._fp8_weight_cache is not None and self._fp8_weight_cache[0] == key:
             return self._fp8_weight_cache[1]
-        weights_8 = (per_block_cast_to_fp8(self.gate_up_proj), per_block_cast_to_fp8(self.down_proj))
+        weights_8 = (cast_weight_to_fp8(self.gate_up_proj), cast_weight_to_fp8(self.down_proj))
         self._fp8_weight_cache = (key, weights_8) if self.cache_fp8_weights else None
         return weights_8

@@ -15,13 +15,16 @@ since every segment wastes at most one partial tile) and each program finds its 
 scanning the ends. Rows past the last segment are not written.
 
 Hopper's FP8 tensor-core instructions read both operands K-major (the contracted dimension
-contiguous in memory); other strides work but make Triton transpose tiles on chip, so the input
-gradient (`fp8_grouped_dgrad`) transposes the FP8 weight once in memory.
+contiguous in memory); other strides work but make Triton transpose tiles on chip. The input
+gradient `grad @ W[e]` is this same GEMM against `W` transposed (K-major for it), which
+`fp8_casts.per_block_cast_to_fp8_with_transpose` writes next to `W`; its scales are `W`'s
+transposed.
 """
 
 from __future__ import annotations
 
 import os
+from typing import Optional
 
 import torch
 import triton
@@ -33,21 +36,34 @@ _INTERPRETED = os.environ.get("TRITON_INTERPRET") == "1"
 
 
 def _configs() -> list[triton.Config]:
-    """Tiles for H200 (BLOCK_K is fixed at the 128-wide scale block; BLOCK_N divides 128 so a
-    column tile sees one weight scale per K block). The interpreter gets one small tile."""
+    """Tiles for H200 (BLOCK_K is fixed at the 128-wide scale block). The interpreter gets one small tile.
+
+    Each K step keeps two FP32 tiles in registers (the accumulator and the block's partial product),
+    so 8 warps suit 128x128 and 64x256; the larger tiles may spill and are there for the autotuner
+    to judge. Shared memory per stage is (BLOCK_M + BLOCK_N) * 128 bytes of 227 KB.
+    """
     if _INTERPRETED:
         return [triton.Config({"BLOCK_M": 32, "BLOCK_N": 64}, num_warps=4, num_stages=1)]
-    return [
-        triton.Config({"BLOCK_M": 128, "BLOCK_N": 128}, num_warps=8, num_stages=3),
-        triton.Config({"BLOCK_M": 128, "BLOCK_N": 128}, num_warps=8, num_stages=4),
-        triton.Config({"BLOCK_M": 128, "BLOCK_N": 128}, num_warps=4, num_stages=4),
-        triton.Config({"BLOCK_M": 64, "BLOCK_N": 128}, num_warps=4, num_stages=4),
-        triton.Config({"BLOCK_M": 128, "BLOCK_N": 64}, num_warps=4, num_stages=4),
+    tiles = [  # (BLOCK_M, BLOCK_N, num_warps, num_stages)
+        (128, 128, 8, 3), (128, 128, 8, 4), (128, 128, 8, 5), (128, 128, 4, 4),
+        (64, 128, 4, 4), (64, 128, 4, 6), (128, 64, 4, 5),
+        (64, 256, 8, 3), (64, 256, 8, 4), (128, 256, 8, 3), (256, 128, 8, 3),
     ]
+    return [triton.Config({"BLOCK_M": bm, "BLOCK_N": bn}, num_warps=warps, num_stages=stages)
+            for bm, bn, warps, stages in tiles]
+
+
+CONFIGS = _configs()
+"""The tiles the kernel autotunes over, per output width and depth; `fp8_grouped_mm(config=...)` pins one."""
+
+
+def _tiles_fitting(configs: list[triton.Config], named_args: dict, **kwargs) -> list[triton.Config]:
+    """The tiles whose BLOCK_N divides the output width (the kernel has no column masks)."""
+    return [c for c in configs if named_args["N_OUT"] % c.kwargs["BLOCK_N"] == 0]
 
 
 # Tuned per output width and depth only: the row count changes every step with the routing.
-@triton.autotune(configs=_configs(), key=["N_OUT", "K"])
+@triton.autotune(configs=CONFIGS, key=["N_OUT", "K"], prune_configs_by={"early_config_prune": _tiles_fitting})
 @triton.jit
 def _grouped_mm_kernel(
     a_ptr, a_scale_ptr, b_ptr, b_scale_ptr, out_ptr, ends_ptr,
@@ -91,8 +107,12 @@ def _grouped_mm_kernel(
     a_ptrs = a_ptr + rows[:, None] * stride_am + ks[None, :] * stride_ak
     b_ptrs = b_ptr + expert.to(tl.int64) * stride_be + cols[None, :] * stride_bn + ks[:, None] * stride_bk
     a_scale_ptrs = a_scale_ptr + rows * stride_asm
-    # BLOCK_N divides 128: the whole column tile lies in one 128-row block of the weight.
-    b_scale_ptrs = b_scale_ptr + expert * stride_bse + (col_tile * BLOCK_N // BLOCK_K) * stride_bsn
+    # A column tile within one 128-row block of the weight has one scale per K block; a wider one
+    # has one per column.
+    if BLOCK_N <= BLOCK_K:
+        b_scale_ptrs = b_scale_ptr + expert * stride_bse + (col_tile * BLOCK_N // BLOCK_K) * stride_bsn
+    else:
+        b_scale_ptrs = b_scale_ptr + expert * stride_bse + (cols // BLOCK_K) * stride_bsn
 
     acc = tl.full((BLOCK_M, BLOCK_N), 0.0, dtype=tl.float32)
     for _ in range(0, K // BLOCK_K):
@@ -101,7 +121,10 @@ def _grouped_mm_kernel(
         a_scale = tl.load(a_scale_ptrs, mask=row_mask, other=0.0)
         b_scale = tl.load(b_scale_ptrs)
         # Scales are per K block, so they must be applied before blocks are summed.
-        acc += tl.dot(a, b, out_dtype=tl.float32) * (a_scale * b_scale)[:, None]
+        if BLOCK_N <= BLOCK_K:
+            acc += tl.dot(a, b, out_dtype=tl.float32) * (a_scale * b_scale)[:, None]
+        else:
+            acc += tl.dot(a, b, out_dtype=tl.float32) * (a_scale[:, None] * b_scale[None, :])
         a_ptrs += BLOCK_K * stride_ak
         b_ptrs += BLOCK_K * stride_bk
         a_scale_ptrs += stride_ask
@@ -112,15 +135,18 @@ def _grouped_mm_kernel(
 
 
 def fp8_grouped_mm(a: torch.Tensor, a_scales: torch.Tensor, b: torch.Tensor, b_scales: torch.Tensor,
-                   ends: torch.Tensor) -> torch.Tensor:
+                   ends: torch.Tensor, *, config: Optional[triton.Config] = None) -> torch.Tensor:
     """`dequant(a)[rows of e] @ dequant(b[e]).T` for every expert: `[N, K] x [E, N_OUT, K] -> [N, N_OUT]` BF16.
 
     Args:
-        a: `[N, K]` e4m3 rows, expert-major; `a_scales`: `[N, K/128]` float32 (1x128).
+        a: `[N, K]` e4m3 rows, expert-major; `a_scales`: `[N, K/128]` float32 (1x128), any strides
+            (rows adjacent is fastest).
         b: `[E, N_OUT, K]` e4m3, any strides (K contiguous is fastest); `b_scales`: `[E, N_OUT/128, K/128]`
-            float32 (128x128).
+            float32 (128x128), any strides.
         ends: `[E]` int32 cumulative segment ends on the device (expert `e` owns rows
             `[ends[e-1], ends[e])`); rows from `ends[-1]` on are left unwritten.
+        config: one of `CONFIGS` (or any tile with BLOCK_N dividing N_OUT) to run instead of the
+            autotuned choice.
     """
     num_rows, depth = a.shape
     num_experts, n_out, b_depth = b.shape
@@ -133,27 +159,19 @@ def fp8_grouped_mm(a: torch.Tensor, a_scales: torch.Tensor, b: torch.Tensor, b_s
                          f"{tuple(a.shape)} and b {tuple(b.shape)}")
     if ends.shape != (num_experts,) or ends.dtype != torch.int32:
         raise ValueError(f"ends: expected int32 [{num_experts}], got {ends.dtype} {tuple(ends.shape)}")
+    if config is not None and not _tiles_fitting([config], {"N_OUT": n_out}):
+        raise ValueError(f"config: BLOCK_N {config.kwargs['BLOCK_N']} does not divide N_OUT {n_out}")
     out = torch.empty(num_rows, n_out, dtype=torch.bfloat16, device=a.device)
 
     def grid(meta: dict) -> tuple[int]:
         return ((triton.cdiv(num_rows, meta["BLOCK_M"]) + num_experts) * (n_out // meta["BLOCK_N"]),)
 
-    _grouped_mm_kernel[grid](
+    kernel = _grouped_mm_kernel if config is None else _grouped_mm_kernel.fn
+    tile = {} if config is None else config.all_kwargs()
+    kernel[grid](
         a, a_scales, b, b_scales, out, ends,
         num_experts, n_out, depth,
         *a.stride(), *a_scales.stride(), *b.stride(), *b_scales.stride(), *out.stride(),
-        BLOCK_K=BLOCK,
+        BLOCK_K=BLOCK, **tile,
     )
     return out
-
-
-def fp8_grouped_dgrad(grad: torch.Tensor, grad_scales: torch.Tensor, weight: torch.Tensor,
-                      weight_scales: torch.Tensor, ends: torch.Tensor) -> torch.Tensor:
-    """Input gradient of `fp8_grouped_mm`: `dequant(grad)[rows of e] @ dequant(weight[e])`, BF16 `[N, K]`.
-
-    `grad [N, M]` is quantized 1x128 along M; `weight [E, M, K]` with its 128x128 scales is used
-    transposed, which blockwise scaling makes exact (the same scales, transposed). The FP8 weight
-    is copied K-major (M contiguous) for the tensor cores; its scales are only viewed.
-    """
-    weight_t = weight.transpose(-2, -1).contiguous()
-    return fp8_grouped_mm(grad, grad_scales, weight_t, weight_scales.transpose(-2, -1), ends)
