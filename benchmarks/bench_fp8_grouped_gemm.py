@@ -4,8 +4,9 @@ DeepSeek-V3 expert shapes on one rank: 64 local experts, about 32768 expert-majo
 segments padded to 16 rows; the gate/up projection (K 7168 -> M 4096) and the down projection
 (K 2048 -> M 7168). For each: forward and input gradient (dgrad: the same kernel against the
 transposed FP8 weight), FP8 vs BF16, CUDA-event medians; the autotuned tile and every tile's time;
-the fused Triton casts (1x128 rows of the GEMM input and of the output gradient, 128x128 weight cast
-with its transposed copy) against the torch reference casts, which they must equal bit for bit.
+the fused Triton casts (1x128 rows of the GEMM input and of the output gradient, the input rows cast
+back to BF16, 128x128 weight cast with its transposed copy) against the torch reference casts, which
+they must equal bit for bit.
 Prints JSON, then a table (and writes the JSON with --out).
 
     python benchmarks/bench_fp8_grouped_gemm.py --out benchmarks/results/fp8_grouped_gemm.json
@@ -21,7 +22,7 @@ import torch
 import triton
 
 from moe_ep.layers import fp8_grouped_gemm as gemm
-from moe_ep.layers.fp8_casts import per_block_cast_to_fp8_with_transpose, per_token_cast_to_fp8
+from moe_ep.layers.fp8_casts import per_block_cast_to_fp8_with_transpose, per_token_cast_back, per_token_cast_to_fp8
 from moe_ep.ops import fp8
 from timing import local_median_us
 
@@ -76,6 +77,11 @@ def bench_casts(x: torch.Tensor, grad: torch.Tensor, w: torch.Tensor) -> dict:
         results[f"cast_{name}_torch_us"] = local_median_us(lambda: fp8.per_token_cast_to_fp8(tensor), iters=5)
         bytes_moved = tensor.numel() * (tensor.element_size() + 1)
         results[f"cast_{name}_gbps"] = bytes_moved / results[f"cast_{name}_us"] / 1e3
+    q, scales = per_token_cast_to_fp8(x)
+    results["casts_bitwise"] &= torch.equal(per_token_cast_back(q, scales), fp8.per_token_cast_back(q, scales))
+    results["cast_back_rows_us"] = local_median_us(lambda: per_token_cast_back(q, scales))
+    results["cast_back_rows_torch_us"] = local_median_us(lambda: fp8.per_token_cast_back(q, scales), iters=5)
+    results["cast_back_rows_gbps"] = x.numel() * (1 + x.element_size()) / results["cast_back_rows_us"] / 1e3
     results["cast_weight_us"] = local_median_us(lambda: per_block_cast_to_fp8_with_transpose(w))
     results["cast_weight_torch_us"] = local_median_us(lambda: fp8.per_block_cast_to_fp8(w), iters=5)
     results["cast_weight_gbps"] = w.numel() * (w.element_size() + 2) / results["cast_weight_us"] / 1e3
@@ -141,12 +147,12 @@ def table(results: dict) -> str:
             lines.append(f"{proj + ' ' + op:16s} {r[f'bf16_{op}_us']:8.0f} {r[f'fp8_{op}_us']:8.0f} "
                          f"{r[f'fp8_over_bf16_{op}']:8.2f} {r[f'fp8_{op}_tflops']:8.0f} "
                          f"{r[f'{op}_rel_err']:8.1e}  {r[f'{op}_tile']}")
-    lines.append(f"{'cast':16s} {'torch us':>8s} {'fp8 us':>8s} {'GB/s':>8s}  (bitwise equal: "
+    lines.append(f"{'cast':18s} {'torch us':>8s} {'triton':>8s} {'GB/s':>8s}  (bitwise equal: "
                  + ", ".join(f"{p} {results[p]['casts_bitwise']}" for p in PROJECTIONS) + ")")
     for proj in PROJECTIONS:
         r = results[proj]
-        for name in ("rows", "grad_rows", "weight"):
-            lines.append(f"{proj + ' ' + name:16s} {r[f'cast_{name}_torch_us']:8.0f} {r[f'cast_{name}_us']:8.0f} "
+        for name in ("rows", "grad_rows", "back_rows", "weight"):
+            lines.append(f"{proj + ' ' + name:18s} {r[f'cast_{name}_torch_us']:8.0f} {r[f'cast_{name}_us']:8.0f} "
                          f"{r[f'cast_{name}_gbps']:8.0f}")
     lines.append("tile (us)          " + " ".join(f"{p + ' ' + op:>14s}" for p in PROJECTIONS for op in ("fwd", "dgrad")))
     for tile in (tile_name(c) for c in gemm.CONFIGS):

@@ -57,6 +57,19 @@ def test_per_token_cast_of_strided_batched_rows() -> None:
     assert torch.equal(scales.cpu(), want_scales)
 
 
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_per_token_cast_back_is_bitwise_the_reference(dtype: torch.dtype) -> None:
+    x = awkward_rows(77, 3 * fp8.BLOCK, seed=3)
+    q, scales = fp8.per_token_cast_to_fp8(x)
+    # q = 1 times 1 + 2**-8 and 1 + 3 * 2**-8: halfway between bfloat16 values, to even (1 and 1 + 2**-6).
+    q[4, :fp8.BLOCK], scales[4, 0], scales[5, 0], q[5, :fp8.BLOCK] = 1.0, 1 + 2 ** -8, 1 + 3 * 2 ** -8, 1.0
+    for rows, row_scales in ((q, scales), casts.per_token_cast_to_fp8(x.to(DEVICE))):  # row- and column-major scales
+        got = casts.per_token_cast_back(rows.to(DEVICE), row_scales.to(DEVICE), dtype).cpu()
+        assert got.dtype == dtype and torch.equal(got, fp8.per_token_cast_back(rows.cpu(), row_scales.cpu(), dtype))
+        if rows is q and dtype == torch.bfloat16:
+            assert got[4, 0] == 1.0 and got[5, 0] == 1 + 2 ** -6
+
+
 @pytest.mark.parametrize("shape", [(3, 200, 300), (2, 256, 384), (128, 128)])
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
 def test_per_block_cast_and_transpose_are_bitwise_the_reference(shape: tuple[int, ...], dtype: torch.dtype) -> None:
@@ -78,6 +91,11 @@ def test_casts_reject_bad_input() -> None:
         casts.per_token_cast_to_fp8(torch.zeros(4, 200, device=DEVICE))
     with pytest.raises(TypeError, match="x"):
         casts.per_token_cast_to_fp8(torch.zeros(4, 128, dtype=torch.int32, device=DEVICE))
+    q, scales = casts.per_token_cast_to_fp8(torch.ones(4, 256, device=DEVICE))
+    with pytest.raises(ValueError, match="scales"):
+        casts.per_token_cast_back(q, scales[:, :1])
+    with pytest.raises(TypeError, match="dtype"):
+        casts.per_token_cast_back(q, scales, torch.float16)
     with pytest.raises(ValueError, match="w"):
         casts.per_block_cast_to_fp8_with_transpose(torch.zeros(128, device=DEVICE))
     with pytest.raises(TypeError, match="w"):

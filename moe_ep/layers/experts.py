@@ -163,6 +163,14 @@ def cast_rows_to_fp8(x: torch.Tensor) -> FP8Tokens:
     return per_token_cast_to_fp8(x)
 
 
+def rows_from_fp8(q: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
+    """`per_token_cast_back(q, scales)` in BF16 (float32 scales): one Triton pass where the Triton
+    FP8 kernels run, else the reference."""
+    if _triton_fp8_available(q.device):
+        return _triton_fp8().casts.per_token_cast_back(q, scales)
+    return per_token_cast_back(q, scales, torch.bfloat16)
+
+
 def cast_weight_to_fp8(weight: torch.Tensor) -> FP8Weight:
     """`per_block_cast_to_fp8(weight)` (128x128), with the transposed copy where the Triton FP8
     kernels run (one fused pass)."""
@@ -251,15 +259,14 @@ class _FP8SwiGLU(torch.autograd.Function):
         q, scales, z, h_q, h_scales, *weights = ctx.saved_tensors
         gate_up_8, down_8 = FP8Weight(*weights[:3]), FP8Weight(*weights[3:])
         seg: ExpertSegments = ctx.seg
-        bf16 = torch.bfloat16
-        grad_y = seg.mask(grad_y.to(bf16).contiguous())
-        h = per_token_cast_back(h_q, h_scales, bf16)
+        grad_y = seg.mask(grad_y.to(torch.bfloat16).contiguous())
+        h = rows_from_fp8(h_q, h_scales)
         grad_down = grouped_weight_grad(grad_y, h, seg)
         grad_h = fp8_grouped_input_grad(grad_y, down_8, seg)
         with torch.enable_grad():
             z_leaf = z.detach().requires_grad_()
             (grad_z,) = torch.autograd.grad(swiglu(*z_leaf.chunk(2, dim=-1)), z_leaf, seg.mask(grad_h))
-        x = seg.mask(per_token_cast_back(q, scales, bf16))
+        x = seg.mask(rows_from_fp8(q, scales))
         grad_gate_up = grouped_weight_grad(grad_z, x, seg)
         grad_x = None
         if ctx.carrier_dtype is not None:

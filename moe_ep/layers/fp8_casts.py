@@ -3,13 +3,15 @@
 * `per_token_cast_to_fp8`: `[..., K]` rows to e4m3 with one float32 scale per row per 128 columns.
   The scales come back as a `[..., K/128]` view of `[K/128, rows]` storage (rows adjacent), so the
   grouped GEMM's per-row scale loads coalesce; their values are those of the reference.
+* `per_token_cast_back`: those rows back to bfloat16 (or float32).
 * `per_block_cast_to_fp8_with_transpose`: `[..., N, K]` weights to e4m3 with one scale per 128x128
   block, and in the same pass the transposed copy `[..., K, N]`, whose block scales are the
   transposed scale matrix: the input-gradient GEMM then reads a contracted-dimension-contiguous weight.
 
 The arithmetic is the reference's, in float32: `amax = max(max|x|, 1e-4)`, `scale = amax / 448` and
 `1 / scale` as IEEE divisions (`div_rn`: Triton's `/` may be approximate), `q = e4m3(clamp(x * (1 /
-scale), ±448))` rounded to nearest even. Only the default scales (no power-of-two rounding, no UE8M0).
+scale), ±448))` rounded to nearest even; back, `x = q * scale` rounded to nearest even. Only the
+default scales (no power-of-two rounding, no UE8M0).
 """
 
 from __future__ import annotations
@@ -60,22 +62,36 @@ def _quantize(x, amax, SNAP: tl.constexpr):
 
 
 @triton.jit
+def _row_tile(num_rows, BLOCK_R: tl.constexpr, BLOCK_K: tl.constexpr):
+    """This program's rows (int64, `BLOCK_R` of them), its 128-column block and columns, and which rows exist."""
+    rows = tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)
+    k_block = tl.program_id(1)
+    cols = k_block * BLOCK_K + tl.arange(0, BLOCK_K)
+    return rows.to(tl.int64), k_block, cols, rows < num_rows
+
+
+@triton.jit
 def _per_token_kernel(
     x_ptr, q_ptr, scale_ptr, num_rows,
     stride_xm, stride_xk, stride_qm, stride_sm, stride_sk,
     BLOCK_R: tl.constexpr, BLOCK_K: tl.constexpr, SNAP: tl.constexpr,
 ):
-    rows = tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)
-    k_block = tl.program_id(1)
-    cols = k_block * BLOCK_K + tl.arange(0, BLOCK_K)
-    mask = rows < num_rows
-    rows = rows.to(tl.int64)
+    rows, k_block, cols, mask = _row_tile(num_rows, BLOCK_R, BLOCK_K)
     x = tl.load(x_ptr + rows[:, None] * stride_xm + cols[None, :] * stride_xk, mask=mask[:, None], other=0.0)
     x = x.to(tl.float32)
     amax = tl.max(tl.abs(x), axis=1)
     q, scale = _quantize(x, amax[:, None], SNAP)
     tl.store(q_ptr + rows[:, None] * stride_qm + cols[None, :], q, mask=mask[:, None])
     tl.store(scale_ptr + rows * stride_sm + k_block * stride_sk, tl.reshape(scale, (BLOCK_R,)), mask=mask)
+
+
+def _check_depth(name: str, x: torch.Tensor) -> None:
+    if x.dim() < 1 or x.size(-1) % BLOCK:
+        raise ValueError(f"{name}: the last dimension must be a multiple of {BLOCK} for FP8, got {tuple(x.shape)}")
+
+
+def _row_grid(num_rows: int, depth: int) -> tuple[int, int]:
+    return triton.cdiv(num_rows, _ROWS_PER_PROGRAM), depth // BLOCK
 
 
 def per_token_cast_to_fp8(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -86,20 +102,63 @@ def per_token_cast_to_fp8(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """
     if x.dtype not in _CASTABLE:
         raise TypeError(f"x: expected one of {_CASTABLE}, got {x.dtype}")
-    depth = x.size(-1)
-    if x.dim() < 1 or depth % BLOCK:
-        raise ValueError(f"x: the last dimension must be a multiple of {BLOCK} for FP8, got {tuple(x.shape)}")
-    rows = x.reshape(-1, depth)
-    num_rows = rows.size(0)
+    _check_depth("x", x)
+    rows = x.reshape(-1, x.size(-1))
+    num_rows, depth = rows.shape
     q = torch.empty(rows.shape, dtype=FP8_DTYPE, device=x.device)
     scales = torch.empty(depth // BLOCK, num_rows, dtype=torch.float32, device=x.device).t()
     if num_rows:
-        grid = (triton.cdiv(num_rows, _ROWS_PER_PROGRAM), depth // BLOCK)
-        _per_token_kernel[grid](
+        _per_token_kernel[_row_grid(num_rows, depth)](
             rows, q, scales, num_rows, *rows.stride(), q.stride(0), *scales.stride(),
             BLOCK_R=_ROWS_PER_PROGRAM, BLOCK_K=BLOCK, SNAP=_INTERPRETED, num_warps=4,
         )
     return q.view(x.shape), scales.unflatten(0, x.shape[:-1])
+
+
+@triton.jit
+def _snap_to_bf16_grid(v):
+    """Float32 `v` rounded to nearest even onto the bfloat16 values (for the interpreter, whose
+    conversion truncates): add just under half a bfloat16 step, plus the kept mantissa's last bit
+    to break ties towards even, then clear the dropped bits."""
+    bits = v.to(tl.int32, bitcast=True)
+    bits = (bits + 0x7FFF + ((bits >> 16) & 1)) & -65536
+    return bits.to(tl.float32, bitcast=True)
+
+
+@triton.jit
+def _per_token_back_kernel(
+    q_ptr, scale_ptr, out_ptr, num_rows,
+    stride_qm, stride_qk, stride_sm, stride_sk, stride_om,
+    BLOCK_R: tl.constexpr, BLOCK_K: tl.constexpr, SNAP: tl.constexpr,
+):
+    rows, k_block, cols, mask = _row_tile(num_rows, BLOCK_R, BLOCK_K)
+    q = tl.load(q_ptr + rows[:, None] * stride_qm + cols[None, :] * stride_qk, mask=mask[:, None], other=0.0)
+    scale = tl.load(scale_ptr + rows * stride_sm + k_block * stride_sk, mask=mask, other=0.0)
+    value = q.to(tl.float32) * scale[:, None]
+    if SNAP:
+        value = _snap_to_bf16_grid(value)
+    out = value.to(out_ptr.dtype.element_ty)
+    tl.store(out_ptr + rows[:, None] * stride_om + cols[None, :], out, mask=mask[:, None])
+
+
+def per_token_cast_back(q: torch.Tensor, scales: torch.Tensor, dtype: torch.dtype = torch.bfloat16) -> torch.Tensor:
+    """Dequantize 1x128 e4m3 rows `q [..., K]` with float32 `scales [..., K/128]` (any strides) to
+    `dtype` (bfloat16 or float32): the values of `moe_ep.ops.fp8.per_token_cast_back`."""
+    if q.dtype != FP8_DTYPE or scales.dtype != torch.float32:
+        raise TypeError(f"q, scales: expected {FP8_DTYPE} and float32, got {q.dtype} and {scales.dtype}")
+    if dtype not in (torch.bfloat16, torch.float32):
+        raise TypeError(f"dtype: expected bfloat16 or float32, got {dtype}")
+    _check_depth("q", q)
+    if scales.shape != (*q.shape[:-1], q.size(-1) // BLOCK):
+        raise ValueError(f"scales: expected {(*q.shape[:-1], q.size(-1) // BLOCK)}, got {tuple(scales.shape)}")
+    rows, row_scales = q.reshape(-1, q.size(-1)), scales.reshape(-1, scales.size(-1))
+    out = torch.empty(rows.shape, dtype=dtype, device=q.device)
+    if rows.size(0):
+        _per_token_back_kernel[_row_grid(*rows.shape)](
+            rows, row_scales, out, rows.size(0), *rows.stride(), *row_scales.stride(), out.stride(0),
+            BLOCK_R=_ROWS_PER_PROGRAM, BLOCK_K=BLOCK, SNAP=_INTERPRETED and dtype == torch.bfloat16, num_warps=4,
+        )
+    return out.view(q.shape)
 
 
 @triton.jit
