@@ -149,7 +149,7 @@ def _profile(main: "Bench", dispatch_config: moe_ep.Config, combine_config: moe_
 
 def _sweep_configs(quick: bool) -> list[tuple[int, int, int]]:
     if quick:
-        return [(24, 8, 256), (20, 8, 256)]
+        return [(24, 32, 256), (24, 64, 512)]
     return list(itertools.product((20, 24), (16, 32, 64), (256, 512)))
 
 

@@ -21,6 +21,10 @@ constexpr int kMaxChannels = 64;
 constexpr int kMaxTopk = 32;
 constexpr int kMaxLocalExperts = 256;
 constexpr int kMaxStages = 32;
+// Normal-mode channels per block: a dispatch block runs this many independent channel pipelines (one
+// pipeline's per-token chain of latencies cannot keep an SM busy); a combine block serves as many
+// consecutive channels as one merged token range. `Config.num_sms` SMs give num_sms / 2 * this channels.
+constexpr int kChannelsPerBlock = 2;
 
 // Control area at the end of every rank's NVLink buffer, in ints. Peers write barrier signals, ring
 // tails/heads and notify slots into it; the owner clears tails/heads between barriers.
@@ -172,8 +176,9 @@ struct DispatchArgs {
 // Ring slot size in bytes for one dispatched token.
 int dispatch_slot_bytes(int row_bytes, int num_scales, int num_topk);
 int combine_slot_bytes(int row_bytes, int num_topk);
-// Pipeline stages that fit into one block's shared memory for a slot size (0 if not even two fit).
-int max_pipeline_stages(int slot_bytes);
+// Stages per pipeline that fit into one block's shared memory for a slot size when `pipelines` stage
+// rings share it (0 if not even two fit).
+int max_pipeline_stages(int slot_bytes, int pipelines = kChannelsPerBlock);
 
 cudaError_t launch_dispatch(const DispatchArgs& args, const CommContext& comm, cudaStream_t stream);
 

@@ -1,5 +1,7 @@
-// Intranode combine. Block 2c sends back the rows this rank received from channel c of every other
-// rank (ring slot: the row, then the k top-k weights), one warp per destination; block 2c + 1 reduces channel c of this rank's
+// Intranode combine over channel groups: group g is the kChannelsPerBlock consecutive dispatch channels
+// from g * kChannelsPerBlock on, one contiguous token range whose ring positions follow on from each
+// other. Block 2g sends back the rows this rank received from group g of every other rank (ring slot:
+// the row, then the k top-k weights), one warp per destination; block 2g + 1 reduces group g of this rank's
 // own tokens: bias first, then the contributions of ranks 0..R-1 in order, all in float32 (float64
 // for double), exactly like the torch backend. This rank's own contribution is read in place.
 #include <algorithm>
@@ -95,17 +97,24 @@ struct Pack<double> {
     }
 };
 
-// Rows [start, start + count) of x that this rank sends back to `lane`'s rank for one channel.
-MOE_EP_DEVICE void returned_rows(const CombineArgs& a, int channel, int rank, int num_ranks, int lane, int& start,
+// Rows [start, start + count) of x that this rank sends back to `lane`'s rank for channel group `group`.
+MOE_EP_DEVICE void returned_rows(const CombineArgs& a, int group, int rank, int num_ranks, int lane, int& start,
                                  int& count) {
     start = count = 0;
     if (lane < num_ranks && lane != rank) {
-        const int C = a.num_channels;
-        start = a.recv_channel_prefix_matrix[lane * C + channel];
-        const int end = channel + 1 < C ? a.recv_channel_prefix_matrix[lane * C + channel + 1]
-                                        : a.rank_prefix_matrix[lane * num_ranks + rank];
+        const int C = a.num_channels, first = group * kChannelsPerBlock, next = first + kChannelsPerBlock;
+        start = a.recv_channel_prefix_matrix[lane * C + first];
+        const int end = next < C ? a.recv_channel_prefix_matrix[lane * C + next]
+                                 : a.rank_prefix_matrix[lane * num_ranks + rank];
         count = end - start;
     }
+}
+
+// Token range [begin, end) of channel group `group`: its dispatch channels' ranges joined.
+MOE_EP_DEVICE void group_range(const CombineArgs& a, int group, int& begin, int& end) {
+    int unused;
+    channel_range(a.num_tokens, a.num_channels, group * kChannelsPerBlock, begin, unused);
+    channel_range(a.num_tokens, a.num_channels, (group + 1) * kChannelsPerBlock - 1, unused, end);
 }
 
 // Sender warp for one destination (owner) rank: its own stages, its own ring, its own progress. One
@@ -113,14 +122,14 @@ MOE_EP_DEVICE void returned_rows(const CombineArgs& a, int channel, int rank, in
 // a sender stuck on a full ring of owner A while owner A waits for another sender stuck on owner B ...
 // closes a cycle. Lane 0 issues the bulk copies; lanes < k carry the weights, prefetched one row ahead.
 MOE_EP_DEVICE void send_rows(const CombineArgs& a, const StageRing& ring, int first_stage, int num_stages, int dest,
-                             int channel, int slot_bytes, const CommContext& comm, volatile int* abort) {
+                             int group, int slot_bytes, const CommContext& comm, volatile int* abort) {
     const int lane = threadIdx.x & 31;
     const int me = comm.rank;
     int start, count;
-    returned_rows(a, channel, me, comm.num_ranks, dest, start, count);
-    uint8_t* ring_base = comm.peers.data[dest] + ring_offset(channel, me, comm.num_ranks, a.ring_slots, slot_bytes);
-    int* tail_ptr = comm.peers.ctrl[dest] + ctrl::kTail + channel * kMaxRanks + me;
-    const int* head_ptr = comm.peers.ctrl[me] + ctrl::kHead + channel * kMaxRanks + dest;
+    returned_rows(a, group, me, comm.num_ranks, dest, start, count);
+    uint8_t* ring_base = comm.peers.data[dest] + ring_offset(group, me, comm.num_ranks, a.ring_slots, slot_bytes);
+    int* tail_ptr = comm.peers.ctrl[dest] + ctrl::kTail + group * kMaxRanks + me;
+    const int* head_ptr = comm.peers.ctrl[me] + ctrl::kHead + group * kMaxRanks + dest;
     const bool has_weights = a.topk_weights != nullptr && lane < a.num_topk;
     auto weight_of = [&](int i) {
         return has_weights && i < count ? a.topk_weights[static_cast<size_t>(start + i) * a.num_topk + lane] : 0.0f;
@@ -199,7 +208,7 @@ MOE_EP_DEVICE void send_rows(const CombineArgs& a, const StageRing& ring, int fi
         fence_proxy_async_global();
         st_release_sys(tail_ptr, count);
     }
-    MOE_EP_PROF(timing.add(prof::kPublish, t_prof); timing.store(comm, prof::kCombine, channel, dest);)
+    MOE_EP_PROF(timing.add(prof::kPublish, t_prof); timing.store(comm, prof::kCombine, group, dest);)
 }
 
 MOE_EP_DEVICE int4 load_row_unit(const uint8_t* row, int unit, bool in_ring) {
@@ -208,7 +217,7 @@ MOE_EP_DEVICE int4 load_row_unit(const uint8_t* row, int unit, bool in_ring) {
 }
 
 template <typename T>
-MOE_EP_DEVICE void reduce_channel(const CombineArgs& a, int channel, int slot_bytes, const CommContext& comm,
+MOE_EP_DEVICE void reduce_group(const CombineArgs& a, int group, int slot_bytes, const CommContext& comm,
                                   volatile int* abort) {
     using P = Pack<T>;
     using Acc = typename P::Acc;
@@ -221,13 +230,14 @@ MOE_EP_DEVICE void reduce_channel(const CombineArgs& a, int channel, int slot_by
     MOE_EP_PROF(t_prof = timing.add(prof::kWaitStage, t_prof);)
 
     int begin, end;
-    channel_range(a.num_tokens, C, channel, begin, end);
-    // Lane r: where ring (channel, r) starts in r's block, how far its tail is known, its slots.
-    const int chan_start = lane < R && channel > 0 ? a.channel_prefix_matrix[lane * C + channel - 1] : 0;
+    group_range(a, group, begin, end);
+    // Lane r: where ring (group, r) starts in r's block, how far its tail is known, its slots.
+    const int first = group * kChannelsPerBlock;
+    const int chan_start = lane < R && first > 0 ? a.channel_prefix_matrix[lane * C + first - 1] : 0;
     const int self_base = me > 0 ? a.rank_prefix_matrix[(me - 1) * R + me] : 0;
-    const int* tail_ptr = comm.peers.ctrl[me] + ctrl::kTail + channel * kMaxRanks + lane;
+    const int* tail_ptr = comm.peers.ctrl[me] + ctrl::kTail + group * kMaxRanks + lane;
     const uint8_t* my_ring =
-        comm.peers.data[me] + ring_offset(channel, lane < R ? lane : 0, R, a.ring_slots, slot_bytes);
+        comm.peers.data[me] + ring_offset(group, lane < R ? lane : 0, R, a.ring_slots, slot_bytes);
     int tail_seen = 0, published = 0;
     const int units = a.row_bytes / 16;
 
@@ -336,13 +346,13 @@ MOE_EP_DEVICE void reduce_channel(const CombineArgs& a, int channel, int slot_by
         if (threadIdx.x < R && threadIdx.x != me && *abort == 0) {
             const int head = s_head[parity][threadIdx.x];
             if (head > published) {
-                st_release_sys(comm.peers.ctrl[threadIdx.x] + ctrl::kHead + channel * kMaxRanks + me, head);
+                st_release_sys(comm.peers.ctrl[threadIdx.x] + ctrl::kHead + group * kMaxRanks + me, head);
                 published = head;
             }
         }
         MOE_EP_PROF(__syncwarp(); t_prof = timing.add(prof::kPublish, t_prof);)
     }
-    MOE_EP_PROF(timing.store(comm, prof::kCombine, channel, prof::kCombineReducer, true, warp == 0);)
+    MOE_EP_PROF(timing.store(comm, prof::kCombine, group, prof::kCombineReducer, true, warp == 0);)
 }
 
 template <typename T>
@@ -350,31 +360,32 @@ __global__ void __launch_bounds__(kCombineThreads, 1) combine_kernel(CombineArgs
                                                                       int slot_bytes) {
     extern __shared__ __align__(1024) uint8_t smem[];
     __shared__ volatile int s_abort;
-    const int channel = blockIdx.x / 2;
+    const int group = blockIdx.x / 2;
     if (threadIdx.x == 0) s_abort = 0;
     if (blockIdx.x % 2 == 1) {
-        reduce_channel<T>(a, channel, slot_bytes, comm, &s_abort);  // its first barrier orders s_abort
+        reduce_group<T>(a, group, slot_bytes, comm, &s_abort);  // its first barrier orders s_abort
         return;
     }
-    const StageRing ring = make_stage_ring(smem, num_stages, slot_bytes);
+    const StageRing ring = make_stage_ring(smem, num_stages, slot_bytes, threadIdx.x == 0);
     __syncthreads();
     const int warp = threadIdx.x / 32;
     const int per_dest = num_stages / comm.num_ranks;  // warp d serves destination d with its own stages
     if (warp < comm.num_ranks && warp != comm.rank)
-        send_rows(a, ring, warp * per_dest, per_dest, warp, channel, slot_bytes, comm, &s_abort);
+        send_rows(a, ring, warp * per_dest, per_dest, warp, group, slot_bytes, comm, &s_abort);
 }
 
 template <typename T>
 cudaError_t launch_typed(const CombineArgs& args, const CommContext& comm, cudaStream_t stream) {
     const int slot_bytes = combine_slot_bytes(args.row_bytes, args.num_topk);
-    const int stages = max_pipeline_stages(slot_bytes);
-    if (stages < comm.num_ranks) return cudaErrorInvalidValue;  // at least one stage per destination
-    const size_t smem = kStageAlign * ((16 * kMaxStages + 8 * kMaxStages + kStageAlign - 1) / kStageAlign) +
-                        static_cast<size_t>(stages) * ((slot_bytes + kStageAlign - 1) / kStageAlign * kStageAlign);
+    const int stages = max_pipeline_stages(slot_bytes, 1);
+    // At least one stage per destination; whole channel groups.
+    if (stages < comm.num_ranks || args.num_channels % kChannelsPerBlock != 0) return cudaErrorInvalidValue;
+    const size_t smem = stage_ring_smem_bytes(stages, slot_bytes);
     cudaError_t err = cudaFuncSetAttribute(combine_kernel<T>, cudaFuncAttributeMaxDynamicSharedMemorySize,
                                            static_cast<int>(smem));
     if (err != cudaSuccess) return err;
-    combine_kernel<T><<<2 * args.num_channels, kCombineThreads, smem, stream>>>(args, comm, stages, slot_bytes);
+    combine_kernel<T><<<2 * args.num_channels / kChannelsPerBlock, kCombineThreads, smem, stream>>>(args, comm, stages,
+                                                                                                    slot_bytes);
     return cudaGetLastError();
 }
 

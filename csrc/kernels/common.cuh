@@ -46,6 +46,11 @@ MOE_EP_DEVICE void st_release_sys(int* ptr, int v) {
     asm volatile("st.release.sys.global.s32 [%0], %1;" ::"l"(ptr), "r"(v) : "memory");
 }
 
+// A counter that only tells a peer how far data was consumed (no data of ours to make visible with it).
+MOE_EP_DEVICE void st_relaxed_sys(int* ptr, int v) {
+    asm volatile("st.relaxed.sys.global.s32 [%0], %1;" ::"l"(ptr), "r"(v) : "memory");
+}
+
 MOE_EP_DEVICE void st_volatile(int* ptr, int v) {
     asm volatile("st.volatile.global.s32 [%0], %1;" ::"l"(ptr), "r"(v) : "memory");
 }

@@ -1,5 +1,6 @@
-// Intranode dispatch. Block 2c sends channel c (a contiguous token range) to every destination; block
-// 2c + 1 receives channel c from every source. A ring slot holds one token: the hidden row, then the
+// Intranode dispatch. Even blocks send, odd blocks receive; block pair b runs kChannelsPerBlock
+// independent pipelines, one per channel b * kChannelsPerBlock + p (a contiguous token range): its
+// sender half sends that channel to every destination, its receiver half receives it from every source. A ring slot holds one token: the hidden row, then the
 // extras [scales (G x 4 B) | source index | top-k ids (k x int32) | top-k weights (k x f32)].
 // Tokens for this rank itself skip the rings: the sender writes them straight into the outputs.
 #include <algorithm>
@@ -10,10 +11,11 @@ namespace moe_ep::kernels {
 
 namespace {
 
-// Sender: warps [0, kLoaderWarps) load, the next one stores, the next one writes send_head.
-// Receiver: warp 0 loads, warp 1 stores.
+// Per pipeline. Sender: warps [0, kLoaderWarps) load, the next one stores, the next one writes
+// send_head. Receiver: warp 0 loads, warp 1 stores.
 constexpr int kLoaderWarps = 4;
-constexpr int kDispatchThreads = 32 * (kLoaderWarps + 2);
+constexpr int kPipelineThreads = 32 * (kLoaderWarps + 2);
+constexpr int kDispatchThreads = kPipelineThreads * kChannelsPerBlock;
 
 struct SlotLayout {
     int row_bytes, num_scales, num_topk;
@@ -60,12 +62,11 @@ struct SelfSink {
 
 // Loader warp `loader` of kLoaderWarps fills the stages of every kLoaderWarps-th token sent anywhere,
 // so that several tokens' metadata loads are in flight at once.
-MOE_EP_DEVICE void load_tokens(const DispatchArgs& a, const SlotLayout& layout, const StageRing& ring, int begin,
-                               int end, int loader, const CommContext& comm, volatile int* abort) {
+MOE_EP_DEVICE void load_tokens(const DispatchArgs& a, const SlotLayout& layout, const StageRing& ring, int channel,
+                               int begin, int end, int loader, const CommContext& comm, volatile int* abort) {
     const int lane = threadIdx.x & 31;
     int seq = 0;
     MOE_EP_PROF(ProfRole timing; timing.begin(); uint64_t t_prof;
-                const int channel = blockIdx.x / 2;
                 struct Store {  // writes the record on every way out
                     ProfRole& p; const CommContext& c; int ch, role;
                     MOE_EP_DEVICE ~Store() { p.store(c, prof::kDispatch, ch, role); }
@@ -130,7 +131,7 @@ MOE_EP_DEVICE void write_send_head(const DispatchArgs& a, int channel, int begin
 
 MOE_EP_DEVICE void run_receiver(const DispatchArgs& a, const SlotLayout& layout, const StageRing& ring, int channel,
                                 int slot_bytes, const CommContext& comm, volatile int* abort) {
-    const int warp = threadIdx.x / 32, lane = threadIdx.x & 31;
+    const int warp = (threadIdx.x % kPipelineThreads) / 32, lane = threadIdx.x & 31;
     const int R = comm.num_ranks, C = a.num_channels, me = comm.rank;
     // Lane s tracks source s: rows [start, start + count) of recv_x come from its ring.
     int start = 0, count = 0;
@@ -219,8 +220,9 @@ MOE_EP_DEVICE void run_receiver(const DispatchArgs& a, const SlotLayout& layout,
             if (lane == src) {
                 ++done;
                 if (done - published >= a.publish_every || done == count) {
-                    fence_proxy_async_global();
-                    st_release_sys(head_ptr, done);
+                    // The slot's bulk load completed (its full barrier fired), so the slot is free: a
+                    // relaxed store suffices, where a release would also wait for our output stores.
+                    st_relaxed_sys(head_ptr, done);
                     published = done;
                 }
             }
@@ -240,12 +242,14 @@ MOE_EP_DEVICE void run_receiver(const DispatchArgs& a, const SlotLayout& layout,
 __global__ void __launch_bounds__(kDispatchThreads, 1) dispatch_kernel(DispatchArgs a, CommContext comm,
                                                                        int num_stages, int slot_bytes) {
     extern __shared__ __align__(1024) uint8_t smem[];
-    __shared__ volatile int s_abort;
-    const int channel = blockIdx.x / 2;
+    __shared__ volatile int s_abort;  // shared by the block's pipelines: one failure stops both
+    const int pipeline = threadIdx.x / kPipelineThreads;
+    const int channel = blockIdx.x / 2 * kChannelsPerBlock + pipeline;
     const bool is_sender = blockIdx.x % 2 == 0;
-    const int warp = threadIdx.x / 32;
+    const int warp = (threadIdx.x % kPipelineThreads) / 32;
     const SlotLayout layout{a.row_bytes, a.num_scales, a.num_topk};
-    const StageRing ring = make_stage_ring(smem, num_stages, slot_bytes);
+    const StageRing ring = make_stage_ring(smem + pipeline * stage_ring_smem_bytes(num_stages, slot_bytes), num_stages,
+                                           slot_bytes, threadIdx.x % kPipelineThreads == 0);
     if (threadIdx.x == 0) s_abort = 0;
     __syncthreads();
     MOE_EP_PROF(static_assert(kLoaderWarps == prof::kDispatchLoaders, "profile roles follow the warp layout");)
@@ -257,7 +261,7 @@ __global__ void __launch_bounds__(kDispatchThreads, 1) dispatch_kernel(DispatchA
     int begin, end;
     channel_range(a.num_tokens, a.num_channels, channel, begin, end);
     if (warp < kLoaderWarps) {
-        load_tokens(a, layout, ring, begin, end, warp, comm, &s_abort);
+        load_tokens(a, layout, ring, channel, begin, end, warp, comm, &s_abort);
     } else if (warp == kLoaderWarps) {
         const SelfSink sink{&a, layout, a.recv_channel_prefix_matrix[comm.rank * a.num_channels + channel], comm.rank};
         run_storer(ring, StorerParams{channel, a.ring_slots, slot_bytes, a.publish_every}, comm, sink, &s_abort);
@@ -291,14 +295,14 @@ int dispatch_slot_bytes(int row_bytes, int num_scales, int num_topk) {
     return (row_bytes + 4 * (num_scales + 1 + 2 * num_topk) + 15) / 16 * 16;
 }
 
-int max_pipeline_stages(int slot_bytes) {
+int max_pipeline_stages(int slot_bytes, int pipelines) {
     int device = 0, optin = 0;
     if (cudaGetDevice(&device) != cudaSuccess ||
         cudaDeviceGetAttribute(&optin, cudaDevAttrMaxSharedMemoryPerBlockOptin, device) != cudaSuccess)
         return 0;
-    const int reserve = 1024 + 2048;  // barriers/metadata header and static shared memory
-    const int stride = (slot_bytes + kStageAlign - 1) / kStageAlign * kStageAlign;
-    const int stages = std::min(kMaxStages, (optin - reserve) / stride);
+    const int static_bytes = 2048;  // static shared memory of the kernels
+    const int per_pipeline = (optin - static_bytes) / pipelines - kStageRingHeaderBytes;
+    const int stages = std::min(kMaxStages, per_pipeline / stage_stride(slot_bytes));
     return stages >= 2 ? stages : 0;
 }
 
@@ -307,14 +311,14 @@ cudaError_t launch_dispatch(const DispatchArgs& args, const CommContext& comm, c
     if (const cudaError_t perr = clear_profile(comm, prof::kDispatch, stream); perr != cudaSuccess) return perr;
 #endif
     const int slot_bytes = dispatch_slot_bytes(args.row_bytes, args.num_scales, args.num_topk);
-    const int stages = max_pipeline_stages(slot_bytes);
-    if (stages == 0) return cudaErrorInvalidValue;
-    const size_t smem = kStageAlign * ((16 * kMaxStages + 8 * kMaxStages + kStageAlign - 1) / kStageAlign) +
-                        static_cast<size_t>(stages) * ((slot_bytes + kStageAlign - 1) / kStageAlign * kStageAlign);
+    const int stages = max_pipeline_stages(slot_bytes, kChannelsPerBlock);
+    if (stages == 0 || args.num_channels % kChannelsPerBlock != 0) return cudaErrorInvalidValue;
+    const size_t smem = kChannelsPerBlock * stage_ring_smem_bytes(stages, slot_bytes);
     cudaError_t err = cudaFuncSetAttribute(dispatch_kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
                                            static_cast<int>(smem));
     if (err != cudaSuccess) return err;
-    dispatch_kernel<<<2 * args.num_channels, kDispatchThreads, smem, stream>>>(args, comm, stages, slot_bytes);
+    dispatch_kernel<<<2 * args.num_channels / kChannelsPerBlock, kDispatchThreads, smem, stream>>>(args, comm, stages,
+                                                                                                   slot_bytes);
     return cudaGetLastError();
 }
 

@@ -29,21 +29,25 @@ struct StageRing {
 };
 
 constexpr int kStageAlign = 128;
+// Barriers (full, empty), token and mask arrays in front of a pipeline's stage buffers.
+constexpr int kStageRingHeaderBytes = kStageAlign * ((16 * kMaxStages + 8 * kMaxStages + kStageAlign - 1) / kStageAlign);
 
-MOE_EP_DEVICE int stage_stride(int slot_bytes) { return (slot_bytes + kStageAlign - 1) / kStageAlign * kStageAlign; }
+__host__ __device__ inline int stage_stride(int slot_bytes) {
+    return (slot_bytes + kStageAlign - 1) / kStageAlign * kStageAlign;
+}
 
-// Carves the dynamic shared memory into a stage ring; thread 0 initializes the barriers. Call from
-// all threads, followed by a block-wide barrier.
-MOE_EP_DEVICE StageRing make_stage_ring(uint8_t* smem, int num_stages, int slot_bytes) {
+// Carves a pipeline's part of the dynamic shared memory into a stage ring; one thread per ring
+// (`initializer`) initializes the barriers. Call from all threads, followed by a block-wide barrier.
+MOE_EP_DEVICE StageRing make_stage_ring(uint8_t* smem, int num_stages, int slot_bytes, bool initializer) {
     StageRing ring;
     ring.full = reinterpret_cast<uint64_t*>(smem);
     ring.empty = ring.full + kMaxStages;
     ring.token = reinterpret_cast<int*>(ring.empty + kMaxStages);
     ring.mask = reinterpret_cast<uint32_t*>(ring.token + kMaxStages);
-    ring.buffers = smem + kStageAlign * ((16 * kMaxStages + 8 * kMaxStages + kStageAlign - 1) / kStageAlign);
+    ring.buffers = smem + kStageRingHeaderBytes;
     ring.stride = stage_stride(slot_bytes);
     ring.num_stages = num_stages;
-    if (threadIdx.x == 0) {
+    if (initializer) {
         for (int i = 0; i < num_stages; ++i) {
             mbar_init(ring.full + i, 1);
             mbar_init(ring.empty + i, 1);
@@ -54,9 +58,9 @@ MOE_EP_DEVICE StageRing make_stage_ring(uint8_t* smem, int num_stages, int slot_
     return ring;
 }
 
-MOE_EP_DEVICE size_t stage_ring_smem_bytes(int num_stages, int slot_bytes) {
-    return kStageAlign * ((16 * kMaxStages + 8 * kMaxStages + kStageAlign - 1) / kStageAlign) +
-           static_cast<size_t>(num_stages) * stage_stride(slot_bytes);
+// Shared-memory bytes of one pipeline's stage ring (a multiple of kStageAlign).
+__host__ __device__ inline size_t stage_ring_smem_bytes(int num_stages, int slot_bytes) {
+    return kStageRingHeaderBytes + static_cast<size_t>(num_stages) * stage_stride(slot_bytes);
 }
 
 // Loader side: wait until stage for sequence number `seq` is free. All lanes of the loader warp call it.
@@ -102,7 +106,9 @@ struct StorerParams {
 template <typename LocalSink>
 MOE_EP_DEVICE void run_storer(const StageRing& ring, const StorerParams& p, const CommContext& comm,
                               const LocalSink& local, volatile int* abort) {
-    __shared__ int s_pos_after[kMaxBulkLag + 1][kMaxRanks];  // pos after stage seq, by seq % (lag + 1)
+    // pos after stage seq, by seq % (lag + 1), per pipeline of the block
+    __shared__ int s_pos_after_all[kChannelsPerBlock][kMaxBulkLag + 1][kMaxRanks];
+    auto& s_pos_after = s_pos_after_all[threadIdx.x / (blockDim.x / kChannelsPerBlock)];
     const int lane = threadIdx.x & 31;
     const int me = comm.rank;
     const int lag_read = read_lag(ring.num_stages, comm.pipeline_lag);

@@ -7,6 +7,8 @@ from dataclasses import dataclass
 NUM_MAX_TOPK = 32
 FP8_BLOCK = 128
 BUFFER_ALIGNMENT = 128
+CHANNELS_PER_SM_PAIR = 2
+"""Channels per (sending SM, receiving SM) pair; `kChannelsPerBlock` in `csrc/kernels/api.cuh`."""
 # Per-token metadata carried next to the hidden bytes: source index, top-k ids and weights.
 _TOKEN_META_BYTES = 4 + NUM_MAX_TOPK * (8 + 4)
 
@@ -20,7 +22,8 @@ class Config:
     """Normal-mode tuning: SMs used and the chunk sizes of each channel's ring buffers.
 
     Positional order matches DeepEP's `Config(num_sms, nvl_send, nvl_recv, rdma_send, rdma_recv)`.
-    A channel is a pair of SMs (one sending, one receiving), so `num_sms` must be even.
+    SMs work in pairs (one sending, one receiving), so `num_sms` must be even; each pair serves
+    `CHANNELS_PER_SM_PAIR` channels (contiguous token ranges), each with its own ring per rank pair.
     """
 
     num_sms: int = 20
@@ -45,8 +48,9 @@ class Config:
 
     @property
     def num_channels(self) -> int:
-        """Channels (contiguous token ranges) the work is split into: one per SM pair."""
-        return self.num_sms // 2
+        """Channels (contiguous token ranges) the work is split into: `CHANNELS_PER_SM_PAIR` per SM pair
+        (the CUDA kernels run that many channel pipelines per block)."""
+        return self.num_sms // 2 * CHANNELS_PER_SM_PAIR
 
     def _token_bytes(self, hidden_bytes: int) -> int:
         # Hidden bytes, FP8 scales (one float per 128 hidden bytes at most) and metadata.
