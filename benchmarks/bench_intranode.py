@@ -32,7 +32,7 @@ import torch.multiprocessing as mp
 import moe_ep
 from moe_ep.launch import free_port
 from moe_ep.ops import fp8
-from timing import median_time_us
+from timing import kernel_median_us, median_time_us
 
 NVL_BYTES = 2 << 30
 # DeepEP does no value checks of topk_idx; time the communication, not the front end's input checks.
@@ -90,6 +90,23 @@ class Bench:
         out["combine_bf16_us"] = t
         out["combine_bf16_deepep_gbs"] = self.recv_rows * row_bf16 / t / 1e3
         out["combine_bf16_remote_gbs"] = self.remote_rows * row_bf16 / t / 1e3
+        return out
+
+    def measure_kernels(self, dispatch_config: moe_ep.Config, combine_config: moe_ep.Config) -> dict[str, float]:
+        """Kernel-only times (profiler trace, as DeepEP reports its kernels) and DeepEP-metric bandwidths."""
+        out: dict[str, float] = {}
+        kernels = {"notify": "notify_dispatch_kernel", "dispatch": "::dispatch_kernel"}
+        for name, use_fp8, row in (("bf16", False, self.hidden * 2),
+                                   ("fp8", True, self.hidden + self.hidden // 128 * 4)):
+            times = kernel_median_us(lambda: self.dispatch(dispatch_config, use_fp8), kernels, self.iters)
+            out[f"dispatch_{name}_kernel_us"] = times["dispatch"]
+            out[f"dispatch_{name}_kernel_deepep_gbs"] = self.recv_rows * row / times["dispatch"] / 1e3
+            out[f"notify_{name}_kernel_us"] = times["notify"]
+        recv_x, _, recv_w, _, handle, _ = self.dispatch(dispatch_config, False)
+        t = kernel_median_us(lambda: self.buffer.combine(recv_x, handle, topk_weights=recv_w, config=combine_config),
+                             {"combine": "combine_kernel"}, self.iters)["combine"]
+        out["combine_bf16_kernel_us"] = t
+        out["combine_bf16_kernel_deepep_gbs"] = self.recv_rows * self.hidden * 2 / t / 1e3
         return out
 
     def measure_layout(self) -> float:
@@ -204,6 +221,9 @@ def _worker(rank: int, world: int, port: int, args: argparse.Namespace, results)
         dist.destroy_process_group()
         os._exit(0)
 
+    report["kernels"] = main.measure_kernels(dispatch_config, combine_config)
+    if rank == 0:
+        print(f"[world {world}] kernel times: {report['kernels']}", flush=True)
     variants = []
     for lag in PIPELINE_LAGS:
         os.environ["MOE_EP_PIPELINE_LAG"] = str(lag)
@@ -252,14 +272,19 @@ def _run_world(world: int, args: argparse.Namespace) -> dict:
 
 
 def _table(reports: list[dict]) -> str:
-    lines = ["world  op             SMs  time(us)  DeepEP GB/s  remote GB/s  | NCCL a2a same remote bytes"]
+    lines = ["call = whole Buffer call (notify, host wait, launches); kernel = the data kernel alone (profiler)",
+             "world  op             SMs  call(us)  DeepEP GB/s  remote GB/s  kernel(us)  DeepEP GB/s"
+             "  | NCCL a2a same remote bytes"]
     for rep in reports:
-        nccl = rep["nccl"]
+        nccl, kernels = rep["nccl"], rep.get("kernels", {})
         for op, key, best in (("dispatch bf16", "dispatch_bf16", rep["best_dispatch"]),
                               ("dispatch fp8", "dispatch_fp8", rep["best_dispatch"]),
                               ("combine bf16", "combine_bf16", rep["best_combine"])):
+            kernel_us = kernels.get(key + "_kernel_us", float("nan"))
+            kernel_gbs = kernels.get(key + "_kernel_deepep_gbs", float("nan"))
             lines.append(f"{rep['world']:5d}  {op:13s}  {best['num_sms']:3d}  {best[key + '_us']:8.1f}  "
-                         f"{best[key + '_deepep_gbs']:11.1f}  {best[key + '_remote_gbs']:11.1f}  | "
+                         f"{best[key + '_deepep_gbs']:11.1f}  {best[key + '_remote_gbs']:11.1f}  "
+                         f"{kernel_us:10.1f}  {kernel_gbs:11.1f}  | "
                          f"{nccl['nccl_a2a_us']:.1f} us, {nccl['nccl_a2a_remote_gbs']:.1f} GB/s")
         lines.append(f"{rep['world']:5d}  layout kernel {rep['layout_us']:.1f} us")
     return "\n".join(lines)

@@ -42,3 +42,25 @@ def _in_step() -> None:
 def median_time_us(fn: Callable[[], object], warmup: int, iters: int) -> float:
     """Median GPU time of `fn` with every run started in step on all ranks; the slowest rank's."""
     return slowest_rank(local_median_us(fn, warmup, iters, before_each=_in_step))
+
+
+def kernel_median_us(fn: Callable[[], object], kernels: dict[str, str], iters: int) -> dict[str, float]:
+    """Median device time of single kernels inside `fn`, read from a torch profiler (kineto) trace, as
+    DeepEP's benchmarks time its kernels: `kernels` maps a label to a substring of the kernel's name.
+    Runs are started in step on all ranks; the slowest rank's medians are returned."""
+    from torch.profiler import ProfilerActivity, profile
+
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        for _ in range(iters):
+            _in_step()
+            fn()
+        torch.cuda.synchronize()
+    durations: dict[str, list[float]] = {label: [] for label in kernels}
+    for event in prof.events():
+        if event.device_type != torch.autograd.DeviceType.CUDA:
+            continue
+        for label, pattern in kernels.items():
+            if pattern in event.name:
+                durations[label].append(event.time_range.elapsed_us())
+    return {label: slowest_rank(statistics.median(times) if times else float("nan"))
+            for label, times in durations.items()}
