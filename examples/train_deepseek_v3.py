@@ -345,6 +345,10 @@ def run(rank: int, world: int, device: torch.device, opts: argparse.Namespace) -
     if not history["val"]:
         history["val"].append((state["step"], evaluate(model, val, margs.seq_len, opts.eval_windows, device)))
     last = min(opts.steps, opts.stop_at or opts.steps)
+    if rank == 0:
+        probe = torch.empty(0, device=device, dtype=torch.bfloat16 if device.type == "cuda" else torch.float32)
+        backend = model.moe_layers()[0].dispatcher.buffer.backend_name_for(probe)
+        print(f"{world} ranks on {device.type} ({dist.get_backend()}), MoE communication backend: {backend}")
     bar = tqdm(range(state["step"], last), initial=state["step"], total=opts.steps, disable=rank != 0,
                dynamic_ncols=True, desc=f"train ({world} ranks, {device.type})")
     for step in bar:
