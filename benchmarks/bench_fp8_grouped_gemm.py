@@ -6,10 +6,13 @@ segments padded to 16 rows; the gate/up projection (K 7168 -> M 4096) and the do
 transposed FP8 weight), FP8 vs BF16, CUDA-event medians; the autotuned tile and every tile's time;
 the fused Triton casts (1x128 rows of the GEMM input and of the output gradient, the input rows cast
 back to BF16, 128x128 weight cast with its transposed copy) against the torch reference casts, which
-they must equal bit for bit.
+they must equal bit for bit. Then the whole expert MLP (`GroupedMLP`, SwiGLU, forward+backward on
+the same segments, hidden 7168, intermediate 2048): BF16, FP8 with the weights cast on every step (as
+after each optimizer step), FP8 with cached casts (gradient-accumulation micro-batches), and the
+weight cast alone; `--profile` adds the FP8 step's kernels by GPU time.
 Prints JSON, then a table (and writes the JSON with --out).
 
-    python benchmarks/bench_fp8_grouped_gemm.py --out benchmarks/results/fp8_grouped_gemm.json
+    python benchmarks/bench_fp8_grouped_gemm.py --out benchmarks/results/fp8_grouped_gemm.json [--profile]
 """
 
 from __future__ import annotations
@@ -21,13 +24,17 @@ from typing import Callable, Optional
 import torch
 import triton
 
+from moe_ep.layers import GroupedMLP
+from moe_ep.layers.experts import cast_weight_to_fp8
 from moe_ep.layers import fp8_grouped_gemm as gemm
 from moe_ep.layers.fp8_casts import per_block_cast_to_fp8_with_transpose, per_token_cast_back, per_token_cast_to_fp8
 from moe_ep.ops import fp8
 from timing import local_median_us
 
 ALIGNMENT = 16
-PROJECTIONS = {"gate_up": (7168, 4096), "down": (2048, 7168)}  # (K, M) of the forward
+HIDDEN, INTERMEDIATE = 7168, 2048
+PROJECTIONS = {"gate_up": (HIDDEN, 2 * INTERMEDIATE), "down": (INTERMEDIATE, HIDDEN)}  # (K, M) of the forward
+EXPERT_RUNS = {"bf16": "bf16", "fp8": "fp8, weights cast every step", "fp8_cached": "fp8, cached weight casts"}
 
 
 def segment_counts(num_experts: int, rows: int, seed: int) -> list[int]:
@@ -137,6 +144,36 @@ def bench_projection(num_experts: int, rows: int, depth: int, width: int, seed: 
             "fp8_over_bf16_dgrad": times["bf16_dgrad_us"] / times["fp8_dgrad_us"]}
 
 
+def bench_experts(num_experts: int, rows: int, profile: bool) -> dict:
+    """`GroupedMLP` forward+backward in BF16 and FP8 (weights cast every step, and cached)."""
+    counts = segment_counts(num_experts, rows, seed=len(PROJECTIONS))
+    mlp = GroupedMLP(num_experts, HIDDEN, INTERMEDIATE, segment_alignment=ALIGNMENT, device="cuda",
+                     dtype=torch.bfloat16)
+    x = torch.randn(sum(counts), HIDDEN, device="cuda", dtype=torch.bfloat16)
+    grad = torch.randn_like(x)
+    tokens_per_expert = torch.tensor(counts, device="cuda")
+
+    def step() -> None:
+        mlp.zero_grad(set_to_none=True)
+        mlp(x.detach().requires_grad_(), tokens_per_expert, tokens_per_expert_list=counts).backward(grad)
+
+    results = {"rows": x.size(0)}
+    for name in EXPERT_RUNS:
+        mlp.use_fp8, mlp.cache_fp8_weights = name != "bf16", name == "fp8_cached"
+        results[f"{name}_us"] = local_median_us(step, warmup=3, iters=10)
+        results[f"{name}_speedup"] = results["bf16_us"] / results[f"{name}_us"]
+    mlp.cache_fp8_weights = False
+    weights = [p.detach() for p in (mlp.gate_up_proj, mlp.down_proj)]
+    results["fp8_weight_cast_us"] = local_median_us(lambda: [cast_weight_to_fp8(w) for w in weights], iters=10)
+    if profile:
+        mlp.use_fp8 = True
+        with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
+            step()
+            torch.cuda.synchronize()
+        print(prof.key_averages().table(sort_by="self_device_time_total", row_limit=25, max_name_column_width=70))
+    return results
+
+
 def table(results: dict) -> str:
     """GEMMs (BF16 vs FP8, autotuned tile), casts (Triton vs torch), and every tile's time."""
     lines = [f"{results['device']}, triton {results['triton']}",
@@ -154,7 +191,13 @@ def table(results: dict) -> str:
         for name in ("rows", "grad_rows", "back_rows", "weight"):
             lines.append(f"{proj + ' ' + name:18s} {r[f'cast_{name}_torch_us']:8.0f} {r[f'cast_{name}_us']:8.0f} "
                          f"{r[f'cast_{name}_gbps']:8.0f}")
-    lines.append("tile (us)          " + " ".join(f"{p + ' ' + op:>14s}" for p in PROJECTIONS for op in ("fwd", "dgrad")))
+    e = results["experts"]
+    lines.append(f"experts fwd+bwd ({e['rows']} rows)  time(us)  vs bf16")
+    for name, label in EXPERT_RUNS.items():
+        lines.append(f"  {label:30s} {e[f'{name}_us']:9.0f}  {e[f'{name}_speedup']:5.2f}x")
+    lines.append(f"  {'fp8 weight cast alone':30s} {e['fp8_weight_cast_us']:9.0f}")
+    columns = [f"{p} {op}" for p in PROJECTIONS for op in ("fwd", "dgrad")]
+    lines.append("tile (us)          " + " ".join(f"{c:>14s}" for c in columns))
     for tile in (tile_name(c) for c in gemm.CONFIGS):
         cells = [results[p][f"{op}_tiles_us"].get(tile) for p in PROJECTIONS for op in ("forward", "dgrad")]
         lines.append(f"{tile:18s} " + " ".join(f"{'-' if c is None else f'{c:.0f}':>14s}" for c in cells))
@@ -166,11 +209,13 @@ def main() -> None:
     parser.add_argument("--experts", type=int, default=64)
     parser.add_argument("--rows", type=int, default=32768)
     parser.add_argument("--out", default=None, help="also write the JSON here")
+    parser.add_argument("--profile", action="store_true", help="print the FP8 expert step's kernels by GPU time")
     args = parser.parse_args()
     results = {"device": torch.cuda.get_device_name(), "torch": torch.__version__, "triton": triton.__version__}
     for seed, (proj, (depth, width)) in enumerate(PROJECTIONS.items()):
         results[proj] = bench_projection(args.experts, args.rows, depth, width, seed=seed)
         torch.cuda.empty_cache()
+    results["experts"] = bench_experts(args.experts, args.rows, args.profile)
     text = json.dumps(results, indent=2)
     print(text)
     if args.out:

@@ -157,3 +157,17 @@ def test_grouped_mlp_fp8_path_through_the_triton_kernels(monkeypatch) -> None:
         assert torch.isfinite(g).all(), name
         assert float((g - w).norm() / w.norm()) <= bound, name
     assert got[0][valid:].abs().sum() == 0 and got[1][valid:].abs().sum() == 0
+
+
+def test_grouped_mlp_recasts_once_weight_caching_is_off(monkeypatch) -> None:
+    """Turning `cache_fp8_weights` off (as benchmarks do between runs) stops reusing earlier casts."""
+    casts_made = []
+    original = experts_module.cast_weight_to_fp8
+    monkeypatch.setattr(experts_module, "cast_weight_to_fp8", lambda w: casts_made.append(w) or original(w))
+    module = GroupedMLP(E, 256, 128, use_fp8=True, cache_fp8_weights=True, dtype=torch.bfloat16)
+    module._fp8_weights()
+    module._fp8_weights()
+    assert len(casts_made) == 2
+    module.cache_fp8_weights = False
+    module._fp8_weights()
+    assert len(casts_made) == 4 and module._fp8_weight_cache is None

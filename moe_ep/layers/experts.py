@@ -406,8 +406,9 @@ class GroupedMLP(nn.Module):
     def _fp8_weights(self) -> tuple[FP8Weight, FP8Weight]:
         params = (self.gate_up_proj, self.down_proj)
         key = tuple((p._version, p.data_ptr(), p.device, p.dtype) for p in params)
-        if self._fp8_weight_cache is not None and self._fp8_weight_cache[0] == key:
+        if self.cache_fp8_weights and self._fp8_weight_cache is not None and self._fp8_weight_cache[0] == key:
             return self._fp8_weight_cache[1]
+        self._fp8_weight_cache = None  # freed before the new casts are made
         weights_8 = (cast_weight_to_fp8(self.gate_up_proj), cast_weight_to_fp8(self.down_proj))
         self._fp8_weight_cache = (key, weights_8) if self.cache_fp8_weights else None
         return weights_8
