@@ -61,14 +61,14 @@ def assert_bf16_close(got: torch.Tensor, a: torch.Tensor, b: torch.Tensor, count
     assert (excess <= 0).all(), f"{int((excess > 0).sum())} elements off, worst by {float(excess.max()):.3g}"
 
 
-def fp8_operands(seed: int, num_rows: int, depth: int, width: int):
-    """Quantized random activations `[num_rows, depth]` and weights `[E, width, depth]`."""
+def fp8_operands(seed: int, num_rows: int, depth: int, width: int, experts: int = E):
+    """Quantized random activations `[num_rows, depth]` and weights `[experts, width, depth]`."""
     g = generator(seed)
     x = torch.randn(num_rows, depth, generator=g)
-    w = torch.randn(E, width, depth, generator=g) / depth ** 0.5
+    w = torch.randn(experts, width, depth, generator=g) / depth ** 0.5
     # Scale magnitudes that differ per block, so a misplaced scale cannot go unnoticed.
     x = x * torch.rand(num_rows, depth // fp8.BLOCK, generator=g).repeat_interleave(fp8.BLOCK, -1) * 4
-    w = w * torch.rand(E, width // fp8.BLOCK, depth // fp8.BLOCK, generator=g).repeat_interleave(
+    w = w * torch.rand(experts, width // fp8.BLOCK, depth // fp8.BLOCK, generator=g).repeat_interleave(
         fp8.BLOCK, -2).repeat_interleave(fp8.BLOCK, -1) * 4
     return fp8.per_token_cast_to_fp8(x), fp8.per_block_cast_to_fp8(w)
 
@@ -114,6 +114,18 @@ def test_forward_with_each_tile_shape(block_m: int, block_n: int) -> None:
                               config=config)
     a, w = dequantized((qa, sa), (qw, sw))
     assert_bf16_close(out, a, w.transpose(-2, -1), counts)
+
+
+@pytest.mark.parametrize("counts", [[0, 64, 0], [32], [0, 0, 0, 0, 16], [0, 0]])
+def test_forward_segment_edge_cases(counts: list[int]) -> None:
+    """Leading, trailing and all-empty experts, one expert, expert counts that are not powers of two."""
+    num_rows = sum(counts) + 3
+    (qa, sa), (qw, sw) = fp8_operands(5, num_rows, K, 128, experts=len(counts))
+    out = gemm.fp8_grouped_mm(qa.to(DEVICE), sa.to(DEVICE), qw.to(DEVICE), sw.to(DEVICE), ends(counts))
+    assert out.shape == (num_rows, 128)
+    if sum(counts):
+        a, w = dequantized((qa, sa), (qw, sw))
+        assert_bf16_close(out, a, w.transpose(-2, -1), counts)
 
 
 def test_rejects_misshapen_operands() -> None:

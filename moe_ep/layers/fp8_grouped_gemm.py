@@ -11,8 +11,8 @@ added to an FP32 accumulator with its two scales applied (as DeepGEMM does); the
 
 Segments are given by their cumulative ends on the device (`ExpertSegments.offsets`), so nothing
 syncs with the host: the launch grid is an upper bound on the row tiles (`cdiv(N, BLOCK_M) + E`,
-since every segment wastes at most one partial tile) and each program finds its expert by
-scanning the ends. Rows past the last segment are not written.
+since every segment wastes at most one partial tile) and each program finds its expert from a
+prefix sum of the experts' tile counts. Rows past the last segment are not written.
 
 Hopper's FP8 tensor-core instructions read both operands K-major (the contracted dimension
 contiguous in memory); other strides work but make Triton transpose tiles on chip. The input
@@ -62,6 +62,21 @@ def _tiles_fitting(configs: list[triton.Config], named_args: dict, **kwargs) -> 
     return [c for c in configs if named_args["N_OUT"] % c.kwargs["BLOCK_N"] == 0]
 
 
+@triton.jit
+def _locate_row_tile(ends_ptr, num_experts, row_slot, BLOCK_M: tl.constexpr, E_POW2: tl.constexpr):
+    """`(expert, first row, segment end)` of row tile `row_slot`, segments tiled one after another;
+    `expert == num_experts` past the last tile. All experts at once (E_POW2 >= E lanes), no loop."""
+    e = tl.arange(0, E_POW2)
+    seg_end = tl.load(ends_ptr + e, mask=e < num_experts, other=0)
+    seg_begin = tl.load(ends_ptr + e - 1, mask=(e > 0) & (e < num_experts), other=0)
+    seg_tiles = tl.where(e < num_experts, (seg_end - seg_begin + BLOCK_M - 1) // BLOCK_M, 0)
+    tiles_through = tl.cumsum(seg_tiles, 0)  # row tiles of experts 0..e
+    expert = tl.sum((tiles_through <= row_slot).to(tl.int32), 0)
+    mine = e == expert
+    tile_begin = tl.sum(tl.where(mine, seg_begin + (row_slot - tiles_through + seg_tiles) * BLOCK_M, 0), 0)
+    return expert, tile_begin, tl.sum(tl.where(mine, seg_end, 0), 0)
+
+
 # Tuned per output width and depth only: the row count changes every step with the routing.
 @triton.autotune(configs=CONFIGS, key=["N_OUT", "K"], prune_configs_by={"early_config_prune": _tiles_fitting})
 @triton.jit
@@ -71,7 +86,7 @@ def _grouped_mm_kernel(
     stride_am, stride_ak, stride_asm, stride_ask,
     stride_be, stride_bn, stride_bk, stride_bse, stride_bsn, stride_bsk,
     stride_om, stride_on,
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, E_POW2: tl.constexpr,
 ):
     pid = tl.program_id(0)
     num_col_tiles = N_OUT // BLOCK_N
@@ -80,23 +95,8 @@ def _grouped_mm_kernel(
     col_tile = pid % num_col_tiles
     row_slot = pid // num_col_tiles
 
-    # Which expert's row tile is `row_slot`? Segments are tiled independently, in order.
-    zero = pid * 0  # an int32 tensor, so the loop-carried values keep one type
-    expert = zero - 1
-    tile_begin = zero
-    tile_end = zero
-    seg_begin = zero
-    tiles_before = zero
-    for e in range(num_experts):
-        seg_end = tl.load(ends_ptr + e)
-        seg_tiles = (seg_end - seg_begin + BLOCK_M - 1) // BLOCK_M
-        hit = (row_slot >= tiles_before) & (row_slot < tiles_before + seg_tiles)
-        expert = tl.where(hit, e, expert)
-        tile_begin = tl.where(hit, seg_begin + (row_slot - tiles_before) * BLOCK_M, tile_begin)
-        tile_end = tl.where(hit, seg_end, tile_end)
-        tiles_before += seg_tiles
-        seg_begin = seg_end
-    if expert < 0:
+    expert, tile_begin, tile_end = _locate_row_tile(ends_ptr, num_experts, row_slot, BLOCK_M, E_POW2)
+    if expert >= num_experts:
         return
 
     rows = tile_begin + tl.arange(0, BLOCK_M)
@@ -172,6 +172,6 @@ def fp8_grouped_mm(a: torch.Tensor, a_scales: torch.Tensor, b: torch.Tensor, b_s
         a, a_scales, b, b_scales, out, ends,
         num_experts, n_out, depth,
         *a.stride(), *a_scales.stride(), *b.stride(), *b_scales.stride(), *out.stride(),
-        BLOCK_K=BLOCK, **tile,
+        BLOCK_K=BLOCK, E_POW2=triton.next_power_of_2(num_experts), **tile,
     )
     return out
