@@ -115,20 +115,26 @@ def _grouped_mm_kernel(
         b_scale_ptrs = b_scale_ptr + expert * stride_bse + (cols // BLOCK_K) * stride_bsn
 
     acc = tl.full((BLOCK_M, BLOCK_N), 0.0, dtype=tl.float32)
-    for _ in range(0, K // BLOCK_K):
+    num_k_blocks = K // BLOCK_K
+    a_scale = tl.load(a_scale_ptrs, mask=row_mask, other=0.0)
+    b_scale = tl.load(b_scale_ptrs)
+    for k in range(0, num_k_blocks):
         a = tl.load(a_ptrs, mask=row_mask[:, None], other=0.0)
         b = tl.load(b_ptrs)
-        a_scale = tl.load(a_scale_ptrs, mask=row_mask, other=0.0)
-        b_scale = tl.load(b_scale_ptrs)
+        # The next K block's scales (the last one's again at the end), a whole step ahead: the
+        # pipeliner leaves these small loads in place, and loaded where they are used their
+        # latency would stall every step.
+        next_k = tl.minimum(k + 1, num_k_blocks - 1)
+        next_a_scale = tl.load(a_scale_ptrs + next_k * stride_ask, mask=row_mask, other=0.0)
+        next_b_scale = tl.load(b_scale_ptrs + next_k * stride_bsk)
         # Scales are per K block, so they must be applied before blocks are summed.
         if BLOCK_N <= BLOCK_K:
             acc += tl.dot(a, b, out_dtype=tl.float32) * (a_scale * b_scale)[:, None]
         else:
             acc += tl.dot(a, b, out_dtype=tl.float32) * (a_scale[:, None] * b_scale[None, :])
+        a_scale, b_scale = next_a_scale, next_b_scale
         a_ptrs += BLOCK_K * stride_ak
         b_ptrs += BLOCK_K * stride_bk
-        a_scale_ptrs += stride_ask
-        b_scale_ptrs += stride_bsk
 
     out_ptrs = out_ptr + rows[:, None] * stride_om + cols[None, :] * stride_on
     tl.store(out_ptrs, acc.to(tl.bfloat16), mask=row_mask[:, None])
