@@ -56,14 +56,14 @@ def same_bits(got: tuple[torch.Tensor, ...], want: tuple[torch.Tensor, ...]) -> 
 
 def tile_name(config: triton.Config) -> str:
     k = config.kwargs
-    return f"{k['BLOCK_M']}x{k['BLOCK_N']} w{config.num_warps} s{config.num_stages}"
+    return f"{k['BLOCK_M']}x{k['SPLIT_N']}x{k['BLOCK_N']} w{config.num_warps} s{config.num_stages}"
 
 
 def time_each_tile(run: Callable[[Optional[triton.Config]], object], n_out: int) -> dict[str, Optional[float]]:
     """Median time of `run(config)` for every tile that fits; None where it does not compile."""
     times = {}
     for config in gemm.CONFIGS:
-        if n_out % config.kwargs["BLOCK_N"]:
+        if n_out % gemm.tile_width(config):
             continue
         try:
             times[tile_name(config)] = local_median_us(lambda: run(config), warmup=2, iters=5)

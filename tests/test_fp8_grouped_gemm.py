@@ -99,17 +99,18 @@ def test_dgrad_is_the_forward_against_the_transposed_weight() -> None:
     assert_bf16_close(dx, g, w)
 
 
-# The GPU's tiles (two of them spanning two weight-scale blocks), one smaller than a segment.
-TILES = [(128, 128), (64, 128), (16, 64), (64, 256), (16, 256)]
+# The GPU's tile shapes (BLOCK_M, BLOCK_N, SPLIT_N), also two column blocks in one scale block, and
+# one smaller than a segment.
+TILES = [(128, 128, 1), (64, 128, 1), (16, 64, 1), (64, 128, 2), (16, 64, 2)]
 
 
-@pytest.mark.parametrize("block_m, block_n", TILES)
-def test_forward_with_each_tile_shape(block_m: int, block_n: int) -> None:
+@pytest.mark.parametrize("block_m, block_n, split_n", TILES)
+def test_forward_with_each_tile_shape(block_m: int, block_n: int, split_n: int) -> None:
     """Every tile indexes rows, experts and scales alike (expert 2 spans two 128-row tiles)."""
     counts = [48, 0, 160, 16]
     (qa, sa), (qw, sw) = fp8_operands(2, sum(counts), K, M)
-    config = triton.Config({"BLOCK_M": block_m, "BLOCK_N": block_n}, num_warps=4 if block_m < 128 else 8,
-                           num_stages=3)
+    config = triton.Config({"BLOCK_M": block_m, "BLOCK_N": block_n, "SPLIT_N": split_n},
+                           num_warps=4 if block_m < 128 else 8, num_stages=3)
     out = gemm.fp8_grouped_mm(qa.to(DEVICE), sa.to(DEVICE), qw.to(DEVICE), sw.to(DEVICE), ends(counts),
                               config=config)
     a, w = dequantized((qa, sa), (qw, sw))
@@ -138,7 +139,7 @@ def test_rejects_misshapen_operands() -> None:
         gemm.fp8_grouped_mm(qa.float(), sa, qw, sw, ends([16, 0, 0, 0]))
     with pytest.raises(ValueError, match="config"):
         gemm.fp8_grouped_mm(qa, sa, qw[:, :128], sw[:, :1], ends([16, 0, 0, 0]),
-                            config=triton.Config({"BLOCK_M": 64, "BLOCK_N": 256}))
+                            config=triton.Config({"BLOCK_M": 64, "BLOCK_N": 128, "SPLIT_N": 2}))
 
 
 def test_grouped_mlp_fp8_path_through_the_triton_kernels(monkeypatch) -> None:
