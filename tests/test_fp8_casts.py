@@ -70,6 +70,50 @@ def test_per_token_cast_back_is_bitwise_the_reference(dtype: torch.dtype) -> Non
             assert got[4, 0] == 1.0 and got[5, 0] == 1 + 2 ** -6
 
 
+def swiglu_operands(num_rows: int, width: int, seed: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """BF16 `z = [gate, up]` rows `[num_rows, 2 * width]` (one all-zero row) and output gradients."""
+    g = torch.Generator().manual_seed(seed)
+    z = (torch.randn(num_rows, 2 * width, generator=g) * 3).bfloat16()
+    z[1] = 0.0
+    return z, torch.randn(num_rows, width, generator=g).bfloat16()
+
+
+def test_swiglu_to_fp8_is_the_cast_of_the_float32_swiglu() -> None:
+    z, _ = swiglu_operands(45, 2 * fp8.BLOCK, seed=4)
+    q, scales = casts.swiglu_to_fp8(z.to(DEVICE))
+    gate, up = z.float().chunk(2, dim=-1)
+    h = torch.nn.functional.silu(gate) * up
+    want_q, want_scales = fp8.per_token_cast_to_fp8(h)
+    # The kernel's sigmoid may differ from torch's in the last float32 bit, which can move an amax
+    # (so a scale) by an ulp and flip an e4m3 rounding: compare values within those rounding errors.
+    torch.testing.assert_close(scales.cpu(), want_scales, rtol=2 ** -20, atol=0)
+    got = fp8.per_token_cast_back(q.cpu(), scales.cpu(), torch.float32)
+    bound = h.abs() * (2 ** -4 + 1e-6) + want_scales.repeat_interleave(fp8.BLOCK, -1) * 2 ** -9
+    assert ((got - h).abs() <= bound).all()
+    assert (q[1].cpu().float() == 0).all()
+
+
+def test_swiglu_backward_to_fp8_is_the_gradient_and_its_exact_cast() -> None:
+    z, grad = swiglu_operands(45, 2 * fp8.BLOCK, seed=5)
+    grad_z, (q, scales) = casts.swiglu_backward_to_fp8(z.to(DEVICE), grad.to(DEVICE))
+    leaf = z.float().requires_grad_()
+    gate, up = leaf.chunk(2, dim=-1)
+    (torch.nn.functional.silu(gate) * up).backward(grad.float())
+    assert grad_z.dtype == torch.bfloat16
+    torch.testing.assert_close(grad_z.cpu().float(), leaf.grad, rtol=2 ** -7, atol=1e-6)
+    want_q, want_scales = fp8.per_token_cast_to_fp8(grad_z.cpu())
+    assert_same_fp8(q, want_q)
+    assert torch.equal(scales.cpu(), want_scales)
+
+
+def test_swiglu_kernels_reject_bad_input() -> None:
+    z, grad = swiglu_operands(4, fp8.BLOCK, seed=6)
+    with pytest.raises(ValueError, match="z"):
+        casts.swiglu_to_fp8(z[:, :fp8.BLOCK].to(DEVICE))  # I = 64
+    with pytest.raises(ValueError, match="grad"):
+        casts.swiglu_backward_to_fp8(z.to(DEVICE), grad[:2].to(DEVICE))
+
+
 @pytest.mark.parametrize("shape", [(3, 200, 300), (2, 256, 384), (128, 128)])
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
 def test_per_block_cast_and_transpose_are_bitwise_the_reference(shape: tuple[int, ...], dtype: torch.dtype) -> None:

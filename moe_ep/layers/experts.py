@@ -14,8 +14,9 @@ and input gradients the dequantized weights. It runs in BF16, except on CUDA wit
 where both FP8 GEMMs and the input-gradient GEMMs run as blockwise-scaled FP8 grouped GEMMs
 (`fp8_grouped_gemm`): the output gradients are then cast to e4m3 (1x128) for the input-gradient
 GEMMs, one more rounding of the same straight-through gradient. Weight gradients stay BF16. There
-the casts are fused Triton kernels (`fp8_casts`, bit for bit those of `moe_ep.ops.fp8`), and the
-weight cast also writes each weight transposed, which the input-gradient GEMM reads.
+the casts are fused Triton kernels (`fp8_casts`, bit for bit those of `moe_ep.ops.fp8`), the weight
+cast also writes each weight transposed, which the input-gradient GEMM reads, and the SwiGLU and its
+gradient are computed in float32 in the passes that cast their outputs to FP8.
 """
 
 from __future__ import annotations
@@ -163,6 +164,25 @@ def cast_rows_to_fp8(x: torch.Tensor) -> FP8Tokens:
     return per_token_cast_to_fp8(x)
 
 
+def swiglu_to_fp8(z: torch.Tensor) -> FP8Tokens:
+    """`per_token_cast_to_fp8(swiglu(gate, up))` of BF16 `z = [gate, up]`: one fused Triton pass (the
+    SwiGLU in float32) where the Triton FP8 kernels run, else the reference in BF16."""
+    if _triton_fp8_available(z.device):
+        return _triton_fp8().casts.swiglu_to_fp8(z)
+    return per_token_cast_to_fp8(swiglu(*z.chunk(2, dim=-1)))
+
+
+def swiglu_backward(z: torch.Tensor, grad: torch.Tensor) -> tuple[torch.Tensor, Optional[FP8Tokens]]:
+    """The gradient of `swiglu(gate, up)` with respect to BF16 `z = [gate, up]` given `grad`, and
+    where the Triton FP8 kernels run its 1x128 e4m3 cast from the same fused pass (else None)."""
+    if _triton_fp8_available(z.device):
+        return _triton_fp8().casts.swiglu_backward_to_fp8(z, grad)
+    with torch.enable_grad():
+        z_leaf = z.detach().requires_grad_()
+        (grad_z,) = torch.autograd.grad(swiglu(*z_leaf.chunk(2, dim=-1)), z_leaf, grad)
+    return grad_z, None
+
+
 def rows_from_fp8(q: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
     """`per_token_cast_back(q, scales)` in BF16 (float32 scales): one Triton pass where the Triton
     FP8 kernels run, else the reference."""
@@ -222,17 +242,18 @@ def _scaled_mm_per_expert(x: FP8Tokens, weight: FP8Weight, seg: ExpertSegments) 
     return out
 
 
-def fp8_grouped_input_grad(grad: torch.Tensor, weight: FP8Weight, seg: ExpertSegments) -> torch.Tensor:
+def fp8_grouped_input_grad(grad: torch.Tensor, weight: FP8Weight, seg: ExpertSegments,
+                           grad_8: Optional[FP8Tokens] = None) -> torch.Tensor:
     """`grad[rows of e] @ dequant(weight[e])`: the input gradient of `fp8_grouped_linear`, `[N, M] -> [N, K]`.
 
     With the transposed weight (`weight.q_t`, cast for the Triton kernels), `grad` is cast to e4m3
-    (1x128 along M) and the product runs as the forward's FP8 grouped GEMM against `W[e]^T`, whose
-    128x128 block scales are `W[e]`'s transposed; elsewhere in BF16 on the dequantized weight. Rows
-    outside every segment are unspecified.
+    (1x128 along M; `grad_8` if that cast was already made) and the product runs as the forward's
+    FP8 grouped GEMM against `W[e]^T`, whose 128x128 block scales are `W[e]`'s transposed; elsewhere
+    in BF16 on the dequantized weight. Rows outside every segment are unspecified.
     """
     if weight.q_t is not None:
-        return _triton_fp8().gemm.fp8_grouped_mm(*cast_rows_to_fp8(grad), weight.q_t,
-                                                 weight.scales.transpose(-2, -1), seg.offsets)
+        rows = grad_8 if grad_8 is not None else cast_rows_to_fp8(grad)
+        return _triton_fp8().gemm.fp8_grouped_mm(*rows, weight.q_t, weight.scales.transpose(-2, -1), seg.offsets)
     return grouped_linear(grad, per_block_cast_back(weight.q, weight.scales, grad.dtype).transpose(-2, -1), seg)
 
 
@@ -246,7 +267,7 @@ class _FP8SwiGLU(torch.autograd.Function):
         """`weights_8` are the FP8 casts of the two weights, which only receive the gradients."""
         gate_up_8, down_8 = weights_8
         z = seg.mask(fp8_grouped_linear((q, scales), gate_up_8, seg))
-        h_8 = cast_rows_to_fp8(swiglu(*z.chunk(2, dim=-1)))
+        h_8 = swiglu_to_fp8(z)
         y = seg.mask(fp8_grouped_linear(h_8, down_8, seg))
         ctx.save_for_backward(q, scales, z, *h_8, *gate_up_8, *down_8)
         ctx.seg = seg
@@ -263,14 +284,12 @@ class _FP8SwiGLU(torch.autograd.Function):
         h = rows_from_fp8(h_q, h_scales)
         grad_down = grouped_weight_grad(grad_y, h, seg)
         grad_h = fp8_grouped_input_grad(grad_y, down_8, seg)
-        with torch.enable_grad():
-            z_leaf = z.detach().requires_grad_()
-            (grad_z,) = torch.autograd.grad(swiglu(*z_leaf.chunk(2, dim=-1)), z_leaf, seg.mask(grad_h))
+        grad_z, grad_z_8 = swiglu_backward(z, seg.mask(grad_h))
         x = seg.mask(rows_from_fp8(q, scales))
         grad_gate_up = grouped_weight_grad(grad_z, x, seg)
         grad_x = None
         if ctx.carrier_dtype is not None:
-            grad_x = seg.mask(fp8_grouped_input_grad(grad_z, gate_up_8, seg)).to(ctx.carrier_dtype)
+            grad_x = seg.mask(fp8_grouped_input_grad(grad_z, gate_up_8, seg, grad_z_8)).to(ctx.carrier_dtype)
         gate_up_dtype, down_dtype = ctx.weight_dtypes
         return None, None, grad_x, grad_gate_up.to(gate_up_dtype), grad_down.to(down_dtype), None, None
 

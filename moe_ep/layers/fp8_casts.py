@@ -4,6 +4,8 @@
   The scales come back as a `[..., K/128]` view of `[K/128, rows]` storage (rows adjacent), so the
   grouped GEMM's per-row scale loads coalesce; their values are those of the reference.
 * `per_token_cast_back`: those rows back to bfloat16 (or float32).
+* `swiglu_to_fp8`, `swiglu_backward_to_fp8`: the experts' SwiGLU on `[gate, up]` rows and its
+  gradient, in float32, fused with the 1x128 cast of their output (the next GEMM's operand).
 * `per_block_cast_to_fp8_with_transpose`: `[..., N, K]` weights to e4m3 with one scale per 128x128
   block, and in the same pass the transposed copy `[..., K, N]`, whose block scales are the
   transposed scale matrix: the input-gradient GEMM then reads a contracted-dimension-contiguous weight.
@@ -29,6 +31,8 @@ _AMAX_FLOOR = tl.constexpr(AMAX_FLOOR)
 _FP8_MAX = tl.constexpr(FP8_MAX)
 _ROWS_PER_PROGRAM = 32
 _CASTABLE = (torch.float32, torch.bfloat16, torch.float16)
+FP8Rows = tuple[torch.Tensor, torch.Tensor]
+"""`(q [N, K] e4m3, scales [N, K/128] float32)`, as `per_token_cast_to_fp8` returns them."""
 
 
 @triton.jit
@@ -71,6 +75,15 @@ def _row_tile(num_rows, BLOCK_R: tl.constexpr, BLOCK_K: tl.constexpr):
 
 
 @triton.jit
+def _store_fp8_rows(x, q_ptr, scale_ptr, rows, k_block, cols, mask, stride_qm, stride_sm, stride_sk,
+                    SNAP: tl.constexpr):
+    """Quantize the float32 tile `x` (rows x one 128-column block) 1x128 and store it and its scales."""
+    q, scale = _quantize(x, tl.max(tl.abs(x), axis=1)[:, None], SNAP)
+    tl.store(q_ptr + rows[:, None] * stride_qm + cols[None, :], q, mask=mask[:, None])
+    tl.store(scale_ptr + rows * stride_sm + k_block * stride_sk, tl.reshape(scale, (x.shape[0],)), mask=mask)
+
+
+@triton.jit
 def _per_token_kernel(
     x_ptr, q_ptr, scale_ptr, num_rows,
     stride_xm, stride_xk, stride_qm, stride_sm, stride_sk,
@@ -78,11 +91,8 @@ def _per_token_kernel(
 ):
     rows, k_block, cols, mask = _row_tile(num_rows, BLOCK_R, BLOCK_K)
     x = tl.load(x_ptr + rows[:, None] * stride_xm + cols[None, :] * stride_xk, mask=mask[:, None], other=0.0)
-    x = x.to(tl.float32)
-    amax = tl.max(tl.abs(x), axis=1)
-    q, scale = _quantize(x, amax[:, None], SNAP)
-    tl.store(q_ptr + rows[:, None] * stride_qm + cols[None, :], q, mask=mask[:, None])
-    tl.store(scale_ptr + rows * stride_sm + k_block * stride_sk, tl.reshape(scale, (BLOCK_R,)), mask=mask)
+    _store_fp8_rows(x.to(tl.float32), q_ptr, scale_ptr, rows, k_block, cols, mask, stride_qm, stride_sm, stride_sk,
+                    SNAP)
 
 
 def _check_depth(name: str, x: torch.Tensor) -> None:
@@ -90,11 +100,17 @@ def _check_depth(name: str, x: torch.Tensor) -> None:
         raise ValueError(f"{name}: the last dimension must be a multiple of {BLOCK} for FP8, got {tuple(x.shape)}")
 
 
+def _empty_fp8_rows(num_rows: int, depth: int, device: torch.device) -> FP8Rows:
+    """`q [num_rows, depth]` e4m3 and its scales `[num_rows, depth/128]`, a view of `[depth/128, num_rows]`."""
+    q = torch.empty(num_rows, depth, dtype=FP8_DTYPE, device=device)
+    return q, torch.empty(depth // BLOCK, num_rows, dtype=torch.float32, device=device).t()
+
+
 def _row_grid(num_rows: int, depth: int) -> tuple[int, int]:
     return triton.cdiv(num_rows, _ROWS_PER_PROGRAM), depth // BLOCK
 
 
-def per_token_cast_to_fp8(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+def per_token_cast_to_fp8(x: torch.Tensor) -> FP8Rows:
     """Cast `[..., K]` (K a multiple of 128) to e4m3 with one float32 scale per row per 128 columns.
 
     Returns `(q [..., K] float8_e4m3fn, scales [..., K/128] float32)`, the values of
@@ -105,8 +121,7 @@ def per_token_cast_to_fp8(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     _check_depth("x", x)
     rows = x.reshape(-1, x.size(-1))
     num_rows, depth = rows.shape
-    q = torch.empty(rows.shape, dtype=FP8_DTYPE, device=x.device)
-    scales = torch.empty(depth // BLOCK, num_rows, dtype=torch.float32, device=x.device).t()
+    q, scales = _empty_fp8_rows(num_rows, depth, x.device)
     if num_rows:
         _per_token_kernel[_row_grid(num_rows, depth)](
             rows, q, scales, num_rows, *rows.stride(), q.stride(0), *scales.stride(),
@@ -126,6 +141,14 @@ def _snap_to_bf16_grid(v):
 
 
 @triton.jit
+def _to_bf16(v, SNAP: tl.constexpr):
+    """Float32 `v` rounded to nearest even to bfloat16 (snapped first in the interpreter)."""
+    if SNAP:
+        v = _snap_to_bf16_grid(v)
+    return v.to(tl.bfloat16)
+
+
+@triton.jit
 def _per_token_back_kernel(
     q_ptr, scale_ptr, out_ptr, num_rows,
     stride_qm, stride_qk, stride_sm, stride_sk, stride_om,
@@ -135,10 +158,9 @@ def _per_token_back_kernel(
     q = tl.load(q_ptr + rows[:, None] * stride_qm + cols[None, :] * stride_qk, mask=mask[:, None], other=0.0)
     scale = tl.load(scale_ptr + rows * stride_sm + k_block * stride_sk, mask=mask, other=0.0)
     value = q.to(tl.float32) * scale[:, None]
-    if SNAP:
-        value = _snap_to_bf16_grid(value)
-    out = value.to(out_ptr.dtype.element_ty)
-    tl.store(out_ptr + rows[:, None] * stride_om + cols[None, :], out, mask=mask[:, None])
+    if out_ptr.dtype.element_ty == tl.bfloat16:
+        value = _to_bf16(value, SNAP)
+    tl.store(out_ptr + rows[:, None] * stride_om + cols[None, :], value, mask=mask[:, None])
 
 
 def per_token_cast_back(q: torch.Tensor, scales: torch.Tensor, dtype: torch.dtype = torch.bfloat16) -> torch.Tensor:
@@ -156,9 +178,89 @@ def per_token_cast_back(q: torch.Tensor, scales: torch.Tensor, dtype: torch.dtyp
     if rows.size(0):
         _per_token_back_kernel[_row_grid(*rows.shape)](
             rows, row_scales, out, rows.size(0), *rows.stride(), *row_scales.stride(), out.stride(0),
-            BLOCK_R=_ROWS_PER_PROGRAM, BLOCK_K=BLOCK, SNAP=_INTERPRETED and dtype == torch.bfloat16, num_warps=4,
+            BLOCK_R=_ROWS_PER_PROGRAM, BLOCK_K=BLOCK, SNAP=_INTERPRETED, num_warps=4,
         )
     return out.view(q.shape)
+
+
+@triton.jit
+def _swiglu_kernel(
+    z_ptr, q_ptr, scale_ptr, num_rows, width,
+    stride_zm, stride_qm, stride_sm, stride_sk,
+    BLOCK_R: tl.constexpr, BLOCK_K: tl.constexpr, SNAP: tl.constexpr,
+):
+    rows, k_block, cols, mask = _row_tile(num_rows, BLOCK_R, BLOCK_K)
+    gate_ptrs = z_ptr + rows[:, None] * stride_zm + cols[None, :]
+    gate = tl.load(gate_ptrs, mask=mask[:, None], other=0.0).to(tl.float32)
+    up = tl.load(gate_ptrs + width, mask=mask[:, None], other=0.0).to(tl.float32)
+    _store_fp8_rows(gate * tl.sigmoid(gate) * up, q_ptr, scale_ptr, rows, k_block, cols, mask,
+                    stride_qm, stride_sm, stride_sk, SNAP)
+
+
+def swiglu_to_fp8(z: torch.Tensor) -> FP8Rows:
+    """`silu(gate) * up` of `z = [gate, up]` (`[N, 2I]`, BF16), computed in float32 and cast 1x128 to
+    e4m3: `(q [N, I], scales [N, I/128])` as `per_token_cast_to_fp8` returns them."""
+    _check_swiglu_input("z", z)
+    num_rows, width = z.size(0), z.size(1) // 2
+    q, scales = _empty_fp8_rows(num_rows, width, z.device)
+    if num_rows:
+        _swiglu_kernel[_row_grid(num_rows, width)](
+            z, q, scales, num_rows, width, z.stride(0), q.stride(0), *scales.stride(),
+            BLOCK_R=_ROWS_PER_PROGRAM, BLOCK_K=BLOCK, SNAP=_INTERPRETED, num_warps=4,
+        )
+    return q, scales
+
+
+@triton.jit
+def _swiglu_backward_kernel(
+    z_ptr, grad_ptr, grad_z_ptr, q_ptr, scale_ptr, num_rows, width,
+    stride_zm, stride_gm, stride_dm, stride_qm, stride_sm, stride_sk,
+    BLOCK_R: tl.constexpr, BLOCK_K: tl.constexpr, SNAP: tl.constexpr,
+):
+    rows, k_block, cols, mask = _row_tile(num_rows, BLOCK_R, BLOCK_K)
+    gate_ptrs = z_ptr + rows[:, None] * stride_zm + cols[None, :]
+    gate = tl.load(gate_ptrs, mask=mask[:, None], other=0.0).to(tl.float32)
+    up = tl.load(gate_ptrs + width, mask=mask[:, None], other=0.0).to(tl.float32)
+    grad = tl.load(grad_ptr + rows[:, None] * stride_gm + cols[None, :], mask=mask[:, None], other=0.0)
+    grad = grad.to(tl.float32)
+    sigmoid = tl.sigmoid(gate)
+    # d silu(g) / dg = sigmoid(g) * (1 + g * (1 - sigmoid(g)))
+    grad_gate = _to_bf16(grad * up * sigmoid * (1.0 + gate * (1.0 - sigmoid)), SNAP)
+    grad_up = _to_bf16(grad * gate * sigmoid, SNAP)
+    grad_gate_ptrs = grad_z_ptr + rows[:, None] * stride_dm + cols[None, :]
+    tl.store(grad_gate_ptrs, grad_gate, mask=mask[:, None])
+    tl.store(grad_gate_ptrs + width, grad_up, mask=mask[:, None])
+    # The FP8 copies are casts of the BF16 gradient just stored, as `per_token_cast_to_fp8` of it.
+    _store_fp8_rows(grad_gate.to(tl.float32), q_ptr, scale_ptr, rows, k_block, cols, mask,
+                    stride_qm, stride_sm, stride_sk, SNAP)
+    _store_fp8_rows(grad_up.to(tl.float32), q_ptr + width, scale_ptr, rows, k_block + width // BLOCK_K, cols, mask,
+                    stride_qm, stride_sm, stride_sk, SNAP)
+
+
+def swiglu_backward_to_fp8(z: torch.Tensor, grad: torch.Tensor) -> tuple[torch.Tensor, FP8Rows]:
+    """Gradient of `silu(gate) * up` with respect to `z = [gate, up]` (`[N, 2I]`, BF16) given the
+    output gradient `grad [N, I]`, computed in float32: `(grad_z [N, 2I] BF16, its 1x128 e4m3 cast
+    (q, scales) as per_token_cast_to_fp8(grad_z) returns it)`."""
+    _check_swiglu_input("z", z)
+    num_rows, width = z.size(0), z.size(1) // 2
+    check = (grad.dtype, tuple(grad.shape), grad.stride(-1))
+    if check != (torch.bfloat16, (num_rows, width), 1):
+        raise ValueError(f"grad: expected bfloat16 {(num_rows, width)} with contiguous rows, got {check}")
+    grad_z = torch.empty_like(z, memory_format=torch.contiguous_format)
+    q, scales = _empty_fp8_rows(num_rows, 2 * width, z.device)
+    if num_rows:
+        _swiglu_backward_kernel[_row_grid(num_rows, width)](
+            z, grad, grad_z, q, scales, num_rows, width,
+            z.stride(0), grad.stride(0), grad_z.stride(0), q.stride(0), *scales.stride(),
+            BLOCK_R=_ROWS_PER_PROGRAM, BLOCK_K=BLOCK, SNAP=_INTERPRETED, num_warps=4,
+        )
+    return grad_z, (q, scales)
+
+
+def _check_swiglu_input(name: str, z: torch.Tensor) -> None:
+    if z.dtype != torch.bfloat16 or z.dim() != 2 or z.size(1) % (2 * BLOCK) or z.stride(1) != 1:
+        raise ValueError(f"{name}: expected bfloat16 [N, 2I] with contiguous rows and I a multiple of {BLOCK}, "
+                         f"got {z.dtype} {tuple(z.shape)} strides {z.stride()}")
 
 
 @triton.jit
