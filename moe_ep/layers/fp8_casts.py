@@ -75,6 +75,13 @@ def _row_tile(num_rows, BLOCK_R: tl.constexpr, BLOCK_K: tl.constexpr):
 
 
 @triton.jit
+def _load_rows(ptr, rows, cols, mask, stride_m, stride_k):
+    """The tile `ptr[rows, cols]` (rows past `mask` zero) in float32."""
+    return tl.load(ptr + rows[:, None] * stride_m + cols[None, :] * stride_k, mask=mask[:, None], other=0.0).to(
+        tl.float32)
+
+
+@triton.jit
 def _store_fp8_rows(x, q_ptr, scale_ptr, rows, k_block, cols, mask, stride_qm, stride_sm, stride_sk,
                     SNAP: tl.constexpr):
     """Quantize the float32 tile `x` (rows x one 128-column block) 1x128 and store it and its scales."""
@@ -90,9 +97,8 @@ def _per_token_kernel(
     BLOCK_R: tl.constexpr, BLOCK_K: tl.constexpr, SNAP: tl.constexpr,
 ):
     rows, k_block, cols, mask = _row_tile(num_rows, BLOCK_R, BLOCK_K)
-    x = tl.load(x_ptr + rows[:, None] * stride_xm + cols[None, :] * stride_xk, mask=mask[:, None], other=0.0)
-    _store_fp8_rows(x.to(tl.float32), q_ptr, scale_ptr, rows, k_block, cols, mask, stride_qm, stride_sm, stride_sk,
-                    SNAP)
+    x = _load_rows(x_ptr, rows, cols, mask, stride_xm, stride_xk)
+    _store_fp8_rows(x, q_ptr, scale_ptr, rows, k_block, cols, mask, stride_qm, stride_sm, stride_sk, SNAP)
 
 
 def _check_depth(name: str, x: torch.Tensor) -> None:
@@ -155,9 +161,8 @@ def _per_token_back_kernel(
     BLOCK_R: tl.constexpr, BLOCK_K: tl.constexpr, SNAP: tl.constexpr,
 ):
     rows, k_block, cols, mask = _row_tile(num_rows, BLOCK_R, BLOCK_K)
-    q = tl.load(q_ptr + rows[:, None] * stride_qm + cols[None, :] * stride_qk, mask=mask[:, None], other=0.0)
     scale = tl.load(scale_ptr + rows * stride_sm + k_block * stride_sk, mask=mask, other=0.0)
-    value = q.to(tl.float32) * scale[:, None]
+    value = _load_rows(q_ptr, rows, cols, mask, stride_qm, stride_qk) * scale[:, None]
     if out_ptr.dtype.element_ty == tl.bfloat16:
         value = _to_bf16(value, SNAP)
     tl.store(out_ptr + rows[:, None] * stride_om + cols[None, :], value, mask=mask[:, None])
@@ -190,9 +195,8 @@ def _swiglu_kernel(
     BLOCK_R: tl.constexpr, BLOCK_K: tl.constexpr, SNAP: tl.constexpr,
 ):
     rows, k_block, cols, mask = _row_tile(num_rows, BLOCK_R, BLOCK_K)
-    gate_ptrs = z_ptr + rows[:, None] * stride_zm + cols[None, :]
-    gate = tl.load(gate_ptrs, mask=mask[:, None], other=0.0).to(tl.float32)
-    up = tl.load(gate_ptrs + width, mask=mask[:, None], other=0.0).to(tl.float32)
+    gate = _load_rows(z_ptr, rows, cols, mask, stride_zm, 1)
+    up = _load_rows(z_ptr + width, rows, cols, mask, stride_zm, 1)
     _store_fp8_rows(gate * tl.sigmoid(gate) * up, q_ptr, scale_ptr, rows, k_block, cols, mask,
                     stride_qm, stride_sm, stride_sk, SNAP)
 
@@ -218,11 +222,9 @@ def _swiglu_backward_kernel(
     BLOCK_R: tl.constexpr, BLOCK_K: tl.constexpr, SNAP: tl.constexpr,
 ):
     rows, k_block, cols, mask = _row_tile(num_rows, BLOCK_R, BLOCK_K)
-    gate_ptrs = z_ptr + rows[:, None] * stride_zm + cols[None, :]
-    gate = tl.load(gate_ptrs, mask=mask[:, None], other=0.0).to(tl.float32)
-    up = tl.load(gate_ptrs + width, mask=mask[:, None], other=0.0).to(tl.float32)
-    grad = tl.load(grad_ptr + rows[:, None] * stride_gm + cols[None, :], mask=mask[:, None], other=0.0)
-    grad = grad.to(tl.float32)
+    gate = _load_rows(z_ptr, rows, cols, mask, stride_zm, 1)
+    up = _load_rows(z_ptr + width, rows, cols, mask, stride_zm, 1)
+    grad = _load_rows(grad_ptr, rows, cols, mask, stride_gm, 1)
     sigmoid = tl.sigmoid(gate)
     # d silu(g) / dg = sigmoid(g) * (1 + g * (1 - sigmoid(g)))
     grad_gate = _to_bf16(grad * up * sigmoid * (1.0 + gate * (1.0 - sigmoid)), SNAP)
