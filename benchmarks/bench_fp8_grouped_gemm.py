@@ -58,7 +58,8 @@ def same_bits(got: tuple[torch.Tensor, ...], want: tuple[torch.Tensor, ...]) -> 
 
 def tile_name(config: triton.Config) -> str:
     k = config.kwargs
-    return f"{k['BLOCK_M']}x{k['SPLIT_N']}x{k['BLOCK_N']} w{config.num_warps} s{config.num_stages}"
+    columns = f"{k['BLOCK_N']}" if k["SPLIT_N"] == 1 else f"{k['SPLIT_N']}*{k['BLOCK_N']}"
+    return f"{k['BLOCK_M']}x{columns} w{config.num_warps} s{config.num_stages}"
 
 
 def time_each_tile(run: Callable[[Optional[triton.Config]], object], n_out: int) -> dict[str, Optional[float]]:
@@ -176,34 +177,51 @@ def bench_experts(num_experts: int, rows: int, profile: bool) -> dict:
     return results
 
 
-def table(results: dict) -> str:
-    """GEMMs (BF16 vs FP8, autotuned tile), casts (Triton vs torch), and every tile's time."""
-    lines = [f"{results['device']}, triton {results['triton']}",
-             f"{'GEMM':16s} {'bf16 us':>8s} {'fp8 us':>8s} {'fp8/bf16':>8s} {'fp8 TF/s':>8s} {'rel err':>8s}  tile"]
+def tile_lines(results: dict) -> list[str]:
+    columns = [f"{p} {op}" for p in PROJECTIONS for op in ("fwd", "dgrad")]
+    lines = ["tile (us)          " + " ".join(f"{c:>14s}" for c in columns)]
+    for tile in (tile_name(c) for c in gemm.CONFIGS):
+        cells = [results[p][f"{op}_tiles_us"].get(tile) for p in PROJECTIONS for op in ("forward", "dgrad")]
+        lines.append(f"{tile:18s} " + " ".join(f"{'-' if c is None else f'{c:.0f}':>14s}" for c in cells))
+    return lines
+
+
+def cast_lines(results: dict) -> list[str]:
+    lines = [f"{'cast':18s} {'torch us':>8s} {'triton':>8s} {'GB/s':>8s}  (bitwise equal: "
+             + ", ".join(f"{p} {results[p]['casts_bitwise']}" for p in PROJECTIONS) + ")"]
+    for proj in PROJECTIONS:
+        r = results[proj]
+        for name in ("rows", "grad_rows", "back_rows", "weight"):
+            lines.append(f"{proj + ' ' + name:18s} {r[f'cast_{name}_torch_us']:8.0f} {r[f'cast_{name}_us']:8.0f} "
+                         f"{r[f'cast_{name}_gbps']:8.0f}")
+    return lines
+
+
+def gemm_lines(results: dict) -> list[str]:
+    lines = [f"{'GEMM':16s} {'bf16 us':>8s} {'fp8 us':>8s} {'fp8/bf16':>8s} {'fp8 TF/s':>8s} {'rel err':>8s}  tile"]
     for proj in PROJECTIONS:
         r = results[proj]
         for op in ("forward", "dgrad"):
             lines.append(f"{proj + ' ' + op:16s} {r[f'bf16_{op}_us']:8.0f} {r[f'fp8_{op}_us']:8.0f} "
                          f"{r[f'fp8_over_bf16_{op}']:8.2f} {r[f'fp8_{op}_tflops']:8.0f} "
                          f"{r[f'{op}_rel_err']:8.1e}  {r[f'{op}_tile']}")
-    lines.append(f"{'cast':18s} {'torch us':>8s} {'triton':>8s} {'GB/s':>8s}  (bitwise equal: "
-                 + ", ".join(f"{p} {results[p]['casts_bitwise']}" for p in PROJECTIONS) + ")")
-    for proj in PROJECTIONS:
-        r = results[proj]
-        for name in ("rows", "grad_rows", "back_rows", "weight"):
-            lines.append(f"{proj + ' ' + name:18s} {r[f'cast_{name}_torch_us']:8.0f} {r[f'cast_{name}_us']:8.0f} "
-                         f"{r[f'cast_{name}_gbps']:8.0f}")
+    return lines
+
+
+def expert_lines(results: dict) -> list[str]:
     e = results["experts"]
-    lines.append(f"experts fwd+bwd ({e['rows']} rows)  time(us)  vs bf16")
+    lines = [f"experts fwd+bwd ({e['rows']} rows)  time(us)  vs bf16"]
     for name, label in EXPERT_RUNS.items():
         lines.append(f"  {label:30s} {e[f'{name}_us']:9.0f}  {e[f'{name}_speedup']:5.2f}x")
     lines.append(f"  {'fp8 weight cast alone':30s} {e['fp8_weight_cast_us']:9.0f}")
-    columns = [f"{p} {op}" for p in PROJECTIONS for op in ("fwd", "dgrad")]
-    lines.append("tile (us)          " + " ".join(f"{c:>14s}" for c in columns))
-    for tile in (tile_name(c) for c in gemm.CONFIGS):
-        cells = [results[p][f"{op}_tiles_us"].get(tile) for p in PROJECTIONS for op in ("forward", "dgrad")]
-        lines.append(f"{tile:18s} " + " ".join(f"{'-' if c is None else f'{c:.0f}':>14s}" for c in cells))
-    return "\n".join(lines)
+    return lines
+
+
+def table(results: dict) -> str:
+    """Every tile's time, the casts (Triton vs torch), the GEMMs (BF16 vs FP8, autotuned tile) and,
+    last, the whole expert MLP."""
+    header = [f"{results['device']}, torch {results['torch']}, triton {results['triton']}"]
+    return "\n".join(header + tile_lines(results) + cast_lines(results) + gemm_lines(results) + expert_lines(results))
 
 
 def main() -> None:
