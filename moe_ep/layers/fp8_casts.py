@@ -282,9 +282,13 @@ def _per_block_kernel(
     cols = cols.to(tl.int64)
     w = tl.load(w_ptr + matrix * stride_we + rows[:, None] * stride_wn + cols[None, :] * stride_wk,
                 mask=mask, other=0.0).to(tl.float32)
-    q, scale = _quantize(w, tl.max(tl.abs(w)), SNAP)
+    amax = tl.max(tl.abs(w))
+    q, scale = _quantize(w, amax, SNAP)
     tl.store(q_ptr + matrix * N * K + rows[:, None] * K + cols[None, :], q, mask=mask)
-    tl.store(q_t_ptr + matrix * N * K + cols[:, None] * N + rows[None, :], tl.trans(q), mask=tl.trans(mask))
+    # Quantizing the transposed float32 tile is elementwise the same; transposing the e4m3 tile itself
+    # stored wrong values on H200 for float32 weights (Triton 3.6).
+    q_t, _ = _quantize(tl.trans(w), amax, SNAP)
+    tl.store(q_t_ptr + matrix * N * K + cols[:, None] * N + rows[None, :], q_t, mask=tl.trans(mask))
     tl.store(scale_ptr + pid, scale)
 
 
