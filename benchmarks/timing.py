@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import re
 import statistics
 from typing import Callable, Optional
 
@@ -46,7 +47,8 @@ def median_time_us(fn: Callable[[], object], warmup: int, iters: int) -> float:
 
 def kernel_median_us(fn: Callable[[], object], kernels: dict[str, str], iters: int) -> dict[str, float]:
     """Median device time of single kernels inside `fn`, read from a torch profiler (kineto) trace, as
-    DeepEP's benchmarks time its kernels: `kernels` maps a label to a substring of the kernel's name.
+    DeepEP's benchmarks time its kernels: `kernels` maps a label to a regular expression searched in
+    the kernel's name.
     Runs are started in step on all ranks; the slowest rank's medians are returned."""
     from torch.profiler import ProfilerActivity, profile
 
@@ -60,7 +62,7 @@ def kernel_median_us(fn: Callable[[], object], kernels: dict[str, str], iters: i
         if event.device_type != torch.autograd.DeviceType.CUDA:
             continue
         for label, pattern in kernels.items():
-            if pattern in event.name:
+            if re.search(pattern, event.name):
                 durations[label].append(event.time_range.elapsed_us())
     return {label: slowest_rank(statistics.median(times) if times else float("nan"))
             for label, times in durations.items()}
