@@ -269,7 +269,7 @@ def _check_swiglu_input(name: str, z: torch.Tensor) -> None:
 def _per_block_kernel(
     w_ptr, q_ptr, q_t_ptr, scale_ptr, N, K, blocks_n, blocks_k,
     stride_we, stride_wn, stride_wk,
-    BLOCK_C: tl.constexpr, SNAP: tl.constexpr,
+    BLOCK_C: tl.constexpr, SNAP: tl.constexpr, WRITE_T: tl.constexpr,
 ):
     pid = tl.program_id(0)
     block_k = pid % blocks_k
@@ -282,13 +282,10 @@ def _per_block_kernel(
     cols = cols.to(tl.int64)
     w = tl.load(w_ptr + matrix * stride_we + rows[:, None] * stride_wn + cols[None, :] * stride_wk,
                 mask=mask, other=0.0).to(tl.float32)
-    amax = tl.max(tl.abs(w))
-    q, scale = _quantize(w, amax, SNAP)
+    q, scale = _quantize(w, tl.max(tl.abs(w)), SNAP)
     tl.store(q_ptr + matrix * N * K + rows[:, None] * K + cols[None, :], q, mask=mask)
-    # Quantizing the transposed float32 tile is elementwise the same; transposing the e4m3 tile itself
-    # stored wrong values on H200 for float32 weights (Triton 3.6).
-    q_t, _ = _quantize(tl.trans(w), amax, SNAP)
-    tl.store(q_t_ptr + matrix * N * K + cols[:, None] * N + rows[None, :], q_t, mask=tl.trans(mask))
+    if WRITE_T:
+        tl.store(q_t_ptr + matrix * N * K + cols[:, None] * N + rows[None, :], tl.trans(q), mask=tl.trans(mask))
     tl.store(scale_ptr + pid, scale)
 
 
@@ -309,9 +306,14 @@ def per_block_cast_to_fp8_with_transpose(w: torch.Tensor) -> tuple[torch.Tensor,
     q = torch.empty(matrices.shape, dtype=FP8_DTYPE, device=w.device)
     q_t = torch.empty(matrices.size(0), k, n, dtype=FP8_DTYPE, device=w.device)
     scales = torch.empty(matrices.size(0), blocks_n, blocks_k, dtype=torch.float32, device=w.device)
+    # The in-kernel transposed store was bitwise right on H200 for bfloat16 weights but wrong for
+    # float32 ones (Triton 3.6, session 2 GPU run): other dtypes transpose with torch.
+    fused_transpose = w.dtype == torch.bfloat16 or _INTERPRETED
     if scales.numel():
         _per_block_kernel[(scales.numel(),)](
             matrices, q, q_t, scales, n, k, blocks_n, blocks_k, *matrices.stride(),
-            BLOCK_C=BLOCK, SNAP=_INTERPRETED, num_warps=8,
+            BLOCK_C=BLOCK, SNAP=_INTERPRETED, WRITE_T=fused_transpose, num_warps=8,
         )
+        if not fused_transpose:
+            q_t.copy_(q.transpose(-2, -1))
     return q.view(w.shape), scales.view(*lead, blocks_n, blocks_k), q_t.view(*lead, k, n)
