@@ -74,16 +74,18 @@ class Config:
 def default_dispatch_config(num_ranks: int, num_sms: int) -> Config:
     """Dispatch settings for a world size, from benchmarks/bench_intranode.py's sweep on 4 x H200.
 
-    Ring counters are published every 32 tokens and each (channel, source) ring holds 256 tokens:
-    at 2 and 4 ranks, publishing every 4 or 8 tokens was 15-30% slower and 128 or 512 slots made no
-    difference (benchmarks/results/). Larger groups use the same values (not measured).
+    With two channel pipelines per SM pair (session 2, `benchmarks/results/run_s2_final_intranode.json`):
+    ring counters published every 4-8 tokens gave 772-782 us at 24 SMs against 816-905 us for 16-32;
+    512 ring slots instead of 256 changed nothing measurable. Other world sizes use the same values
+    (not measured with this kernel layout).
     """
-    return Config(num_sms, 32, 256, 8, 128)
+    return Config(num_sms, 8, 256, 8, 128)
 
 
 def default_combine_config(num_ranks: int, num_sms: int) -> Config:
-    """Combine settings for a world size; same sweep and reasoning as `default_dispatch_config`."""
-    return Config(num_sms, 32, 256, 8, 128)
+    """Combine settings for a world size (same sweep): publishing every 16-32 rows was best (876-939 us),
+    4-8 rows slower (905-1042 us)."""
+    return Config(num_sms, 16, 256, 8, 128)
 
 
 def low_latency_buffer_bytes(num_max_dispatch_tokens_per_rank: int, hidden: int, num_ranks: int, num_experts: int) -> int:
