@@ -164,19 +164,9 @@ MOE_EP_DEVICE void send_rows(const CombineArgs& a, const StageRing& ring, int fi
         ok = __all_sync(kFullMask, mbar_wait(ring.full + st, (i / num_stages) & 1, comm, abort));
         MOE_EP_PROF(t_prof = timing.add(prof::kWaitStage, t_prof); timing.mark_first(); timing.count(prof::kItems);)
         if (ok && lane == 0) {
-            if (i - head >= a.ring_slots) {
-                bulk_wait<0>();
-                MOE_EP_PROF(t_prof = timing.add(prof::kCopyWait, t_prof);)
-                fence_proxy_async_global();
-                st_release_sys(tail_ptr, i);
-                published = i;
-                MOE_EP_PROF(t_prof = timing.add(prof::kPublish, t_prof);
-                            if (i - ld_acquire_sys(head_ptr) >= a.ring_slots) timing.count(prof::kWaitEvents);)
-                ok = wait_until([&] { return i - (head = ld_acquire_sys(head_ptr)) < a.ring_slots; }, comm, abort,
-                                kErrSendTimeout);
-                fence_proxy_async_global();
-                MOE_EP_PROF(t_prof = timing.add(prof::kWaitRemote, t_prof);)
-            }
+            if (i - head >= a.ring_slots)
+                ok = wait_for_ring_slot(i, a.ring_slots, tail_ptr, head_ptr, head, published, comm, abort
+                                        MOE_EP_PROF(, timing, t_prof));
             if (ok) {
                 bulk_store(ring_base + static_cast<size_t>(i % a.ring_slots) * slot_bytes, stage, slot_bytes);
                 bulk_commit();
@@ -184,8 +174,7 @@ MOE_EP_DEVICE void send_rows(const CombineArgs& a, const StageRing& ring, int fi
                 if (i + 1 - published >= a.publish_every) {
                     bulk_wait<0>();
                     MOE_EP_PROF(t_prof = timing.add(prof::kCopyWait, t_prof);)
-                    fence_proxy_async_global();
-                    st_release_sys(tail_ptr, i + 1);
+                    publish_tail(tail_ptr, i + 1);
                     published = i + 1;
                     MOE_EP_PROF(t_prof = timing.add(prof::kPublish, t_prof);)
                 }
@@ -204,10 +193,7 @@ MOE_EP_DEVICE void send_rows(const CombineArgs& a, const StageRing& ring, int fi
     MOE_EP_PROF(t_prof = timing.add(prof::kCopy, t_prof);)
     bulk_wait<0>();
     MOE_EP_PROF(t_prof = timing.add(prof::kCopyWait, t_prof);)
-    if (lane == 0 && ok && *abort == 0 && count > published) {
-        fence_proxy_async_global();
-        st_release_sys(tail_ptr, count);
-    }
+    if (lane == 0 && ok && *abort == 0 && count > published) publish_tail(tail_ptr, count);
     MOE_EP_PROF(timing.add(prof::kPublish, t_prof); timing.store(comm, prof::kCombine, group, dest);)
 }
 

@@ -92,6 +92,32 @@ MOE_EP_DEVICE void fill_stage(const StageRing& ring, int seq, int token, uint32_
     __syncwarp();
 }
 
+// Announces ring position `pos` as the tail: the bulk stores before it (already completed) are made
+// visible to the receiver first.
+MOE_EP_DEVICE void publish_tail(int* tail_ptr, int pos) {
+    fence_proxy_async_global();
+    st_release_sys(tail_ptr, pos);
+}
+
+// A sender about to write ring position `pos` of a full ring (`pos - head >= ring_slots`): announce
+// everything written so far, then wait until the receiver frees a slot (`head` follows it). False on
+// timeout or abort.
+MOE_EP_DEVICE bool wait_for_ring_slot(int pos, int ring_slots, int* tail_ptr, const int* head_ptr, int& head,
+                                      int& published, const CommContext& comm, volatile int* abort
+                                      MOE_EP_PROF(, ProfRole& timing, uint64_t& t_prof)) {
+    bulk_wait<0>();
+    MOE_EP_PROF(t_prof = timing.add(prof::kCopyWait, t_prof);)
+    publish_tail(tail_ptr, pos);
+    published = pos;
+    MOE_EP_PROF(t_prof = timing.add(prof::kPublish, t_prof);
+                if (pos - ld_acquire_sys(head_ptr) >= ring_slots) timing.count(prof::kWaitEvents);)
+    const bool ok = wait_until([&] { return pos - (head = ld_acquire_sys(head_ptr)) < ring_slots; }, comm, abort,
+                               kErrSendTimeout);
+    fence_proxy_async_global();
+    MOE_EP_PROF(t_prof = timing.add(prof::kWaitRemote, t_prof);)
+    return ok;
+}
+
 struct StorerParams {
     int channel;
     int ring_slots;
@@ -142,19 +168,9 @@ MOE_EP_DEVICE void run_storer(const StageRing& ring, const StorerParams& p, cons
                 local.data(stage, token, pos);
             } else {
                 if (pos - head >= p.ring_slots) {
-                    // Announce everything written so far, then wait for the receiver to free a slot.
                     MOE_EP_PROF(t_prof = timing.add(prof::kCopy, t_prof);)
-                    bulk_wait<0>();
-                    MOE_EP_PROF(t_prof = timing.add(prof::kCopyWait, t_prof);)
-                    fence_proxy_async_global();
-                    st_release_sys(tail_ptr, pos);
-                    published = pos;
-                    MOE_EP_PROF(t_prof = timing.add(prof::kPublish, t_prof);
-                                if (pos - ld_acquire_sys(head_ptr) >= p.ring_slots) timing.count(prof::kWaitEvents);)
-                    ok = wait_until([&] { return pos - (head = ld_acquire_sys(head_ptr)) < p.ring_slots; }, comm,
-                                    abort, kErrSendTimeout);
-                    fence_proxy_async_global();
-                    MOE_EP_PROF(t_prof = timing.add(prof::kWaitRemote, t_prof);)
+                    ok = wait_for_ring_slot(pos, p.ring_slots, tail_ptr, head_ptr, head, published, comm, abort
+                                            MOE_EP_PROF(, timing, t_prof));
                 }
                 if (ok) bulk_store(ring_base + static_cast<size_t>(pos % p.ring_slots) * p.slot_bytes, stage, p.slot_bytes);
             }
@@ -175,8 +191,7 @@ MOE_EP_DEVICE void run_storer(const StageRing& ring, const StorerParams& p, cons
                 MOE_EP_PROF(t_prof = global_timer_ns();)
                 bulk_wait_dyn<false>(lag_done);
                 MOE_EP_PROF(t_prof = timing.add(prof::kCopyWait, t_prof);)
-                fence_proxy_async_global();
-                st_release_sys(tail_ptr, done);
+                publish_tail(tail_ptr, done);
                 published = done;
                 MOE_EP_PROF(timing.add(prof::kPublish, t_prof);)
             }
@@ -185,10 +200,7 @@ MOE_EP_DEVICE void run_storer(const StageRing& ring, const StorerParams& p, cons
     MOE_EP_PROF(t_prof = global_timer_ns();)
     bulk_wait<0>();
     MOE_EP_PROF(t_prof = timing.add(prof::kCopyWait, t_prof);)
-    if (remote_lane && ok && *abort == 0 && pos > published) {
-        fence_proxy_async_global();
-        st_release_sys(tail_ptr, pos);
-    }
+    if (remote_lane && ok && *abort == 0 && pos > published) publish_tail(tail_ptr, pos);
     MOE_EP_PROF(timing.add(prof::kPublish, t_prof); timing.reduce_lanes();
                 timing.store(comm, prof::kDispatch, p.channel, prof::kDispatchSendStorer);)
 }
