@@ -20,50 +20,44 @@ constexpr int kReduceWarps = kCombineThreads / 32;
 constexpr int kReduceChunk = 2 * kReduceWarps;  // tokens between two head publications
 constexpr int kUnroll = 2;                      // 16-byte units per lane in flight per contribution
 
-// 16 bytes of T widened into accumulators.
+// Conversions of a pair of 16-bit floats.
 template <typename T>
-struct Pack;
+struct Pair16;
 
 template <>
-struct Pack<__nv_bfloat16> {
-    using Acc = float;
-    static constexpr int kN = 8;
-    static MOE_EP_DEVICE void add(Acc* acc, const int4& v) {
-        const __nv_bfloat162* h = reinterpret_cast<const __nv_bfloat162*>(&v);
-#pragma unroll
-        for (int i = 0; i < 4; ++i) {
-            const float2 f = __bfloat1622float2(h[i]);
-            acc[2 * i] += f.x;
-            acc[2 * i + 1] += f.y;
-        }
-    }
-    static MOE_EP_DEVICE int4 pack(const Acc* acc) {
-        int4 v;
-        __nv_bfloat162* h = reinterpret_cast<__nv_bfloat162*>(&v);
-#pragma unroll
-        for (int i = 0; i < 4; ++i) h[i] = __floats2bfloat162_rn(acc[2 * i], acc[2 * i + 1]);
-        return v;
-    }
+struct Pair16<__nv_bfloat16> {
+    using V = __nv_bfloat162;
+    static MOE_EP_DEVICE float2 widen(V v) { return __bfloat1622float2(v); }
+    static MOE_EP_DEVICE V narrow(float a, float b) { return __floats2bfloat162_rn(a, b); }
 };
 
 template <>
-struct Pack<__half> {
+struct Pair16<__half> {
+    using V = __half2;
+    static MOE_EP_DEVICE float2 widen(V v) { return __half22float2(v); }
+    static MOE_EP_DEVICE V narrow(float a, float b) { return __floats2half2_rn(a, b); }
+};
+
+// 16 bytes of T widened into accumulators.
+template <typename T>
+struct Pack {  // 16-bit floats: eight per 16 bytes, float accumulators
     using Acc = float;
+    using P = Pair16<T>;
     static constexpr int kN = 8;
     static MOE_EP_DEVICE void add(Acc* acc, const int4& v) {
-        const __half2* h = reinterpret_cast<const __half2*>(&v);
+        const typename P::V* h = reinterpret_cast<const typename P::V*>(&v);
 #pragma unroll
         for (int i = 0; i < 4; ++i) {
-            const float2 f = __half22float2(h[i]);
+            const float2 f = P::widen(h[i]);
             acc[2 * i] += f.x;
             acc[2 * i + 1] += f.y;
         }
     }
     static MOE_EP_DEVICE int4 pack(const Acc* acc) {
         int4 v;
-        __half2* h = reinterpret_cast<__half2*>(&v);
+        typename P::V* h = reinterpret_cast<typename P::V*>(&v);
 #pragma unroll
-        for (int i = 0; i < 4; ++i) h[i] = __floats2half2_rn(acc[2 * i], acc[2 * i + 1]);
+        for (int i = 0; i < 4; ++i) h[i] = P::narrow(acc[2 * i], acc[2 * i + 1]);
         return v;
     }
 };
