@@ -62,6 +62,14 @@ int64_t check_sizes(const NvshmemRuntime& rt, const Tensor& topk_idx, int64_t ma
     return num_experts / num_ranks;
 }
 
+// The buffer layout of a call running `phases`; a call with the send phase also prepares the buffer.
+ll::Layout layout_for_phases(NvshmemRuntime& rt, int64_t phases, int64_t max_tokens, int64_t hidden,
+                             int64_t num_experts, cudaStream_t stream) {
+    TORCH_CHECK_VALUE(phases >= 1 && phases <= 3, "phases: expected 1 (send), 2 (receive) or 3 (both)");
+    return (phases & ll::kSendPhase) ? rt.prepare(max_tokens, hidden, num_experts, stream)
+                                     : rt.layout(max_tokens, hidden, num_experts);
+}
+
 void dispatch(NvshmemRuntime& rt, const Tensor& x, const Tensor& topk_idx, const Tensor& recv_x,
               const optional<Tensor>& recv_scales, const Tensor& recv_src_info, const Tensor& layout_range,
               const Tensor& recv_count, const optional<Tensor>& cumulative_stats, const optional<Tensor>& wait_stats,
@@ -95,11 +103,8 @@ void dispatch(NvshmemRuntime& rt, const Tensor& x, const Tensor& topk_idx, const
         check_dense(*cumulative_stats, "cumulative_local_expert_recv_stats", at::kInt, {num_local}, device);
     if (wait_stats.has_value())
         check_dense(*wait_stats, "dispatch_wait_recv_cost_stats", at::kLong, {num_ranks}, device);
-    TORCH_CHECK_VALUE(phases >= 1 && phases <= 3, "phases: expected 1 (send), 2 (receive) or 3 (both)");
-
     const cudaStream_t stream = current_stream(rt);
-    const ll::Layout layout = (phases & ll::kSendPhase) ? rt.prepare(max_tokens, hidden, num_experts, stream)
-                                                         : rt.layout(max_tokens, hidden, num_experts);
+    const ll::Layout layout = layout_for_phases(rt, phases, max_tokens, hidden, num_experts, stream);
     ll::DispatchArgs a{};
     a.x = x.data_ptr();
     a.topk_idx = topk_idx.data_ptr<int64_t>();
@@ -135,11 +140,8 @@ void combine(NvshmemRuntime& rt, const Tensor& x, bool zero_copy, const Tensor& 
     check_dense(out, "out", at::kBFloat16, {num_tokens, hidden}, device);
     if (wait_stats.has_value())
         check_dense(*wait_stats, "combine_wait_recv_cost_stats", at::kLong, {num_ranks}, device);
-    TORCH_CHECK_VALUE(phases >= 1 && phases <= 3, "phases: expected 1 (send), 2 (receive) or 3 (both)");
-
     const cudaStream_t stream = current_stream(rt);
-    const ll::Layout layout = (phases & ll::kSendPhase) ? rt.prepare(max_tokens, hidden, num_experts, stream)
-                                                         : rt.layout(max_tokens, hidden, num_experts);
+    const ll::Layout layout = layout_for_phases(rt, phases, max_tokens, hidden, num_experts, stream);
     ll::CombineArgs a{};
     a.x = zero_copy ? rt.send_region(layout) : x.data_ptr();
     a.src_info = src_info.data_ptr<int>();

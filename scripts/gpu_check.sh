@@ -79,13 +79,16 @@ has fp8gemm && run_bench "FP8 grouped GEMM" "${FP8GEMM_TIMEOUT:-150}" bench_fp8_
 
 # run_example LABEL COMMAND...: one example run, its output appended to examples.log.
 run_example() {
-    local label=$1 start rc
+    local label=$1 start rc first
     shift
     start=$(date +%s)
     echo "================ $label: $*" >> "$OUT/examples.log"
+    first=$(( $(wc -l < "$OUT/examples.log") + 1 ))
     timeout "${EXAMPLES_TIMEOUT:-200}" "$@" >> "$OUT/examples.log" 2>&1
     rc=$?
-    summary+=("example $label: rc=$rc in $(( $(date +%s) - start )) s: $(grep -a -E "validation loss|eval loss" "$OUT/examples.log" | tail -1)")
+    # The last loss line of this run only.
+    summary+=("example $label: rc=$rc in $(( $(date +%s) - start )) s: $(tail -n +"$first" "$OUT/examples.log" |
+        tr '\r' '\n' | grep -a -E "(validation|evaluation) loss .*->" | tail -1)")
 }
 
 if has examples; then

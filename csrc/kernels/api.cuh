@@ -178,7 +178,7 @@ int dispatch_slot_bytes(int row_bytes, int num_scales, int num_topk);
 int combine_slot_bytes(int row_bytes, int num_topk);
 // Stages per pipeline that fit into one block's shared memory for a slot size when `pipelines` stage
 // rings share it (0 if not even two fit).
-int max_pipeline_stages(int slot_bytes, int pipelines = kChannelsPerBlock);
+int max_pipeline_stages(int slot_bytes, int pipelines);
 
 cudaError_t launch_dispatch(const DispatchArgs& args, const CommContext& comm, cudaStream_t stream);
 
