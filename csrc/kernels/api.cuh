@@ -22,8 +22,8 @@ constexpr int kMaxTopk = 32;
 constexpr int kMaxLocalExperts = 256;
 constexpr int kMaxStages = 32;
 // Normal-mode channels per block: a dispatch block runs this many independent channel pipelines (one
-// pipeline's per-token chain of latencies cannot keep an SM busy); a combine block serves as many
-// consecutive channels as one merged token range. `Config.num_sms` SMs give num_sms / 2 * this channels.
+// pipeline's per-token chain of latencies cannot keep an SM busy); a combine block serves one channel,
+// its senders and reducers side by side. `Config.num_sms` SMs give num_sms / 2 * this channels.
 constexpr int kChannelsPerBlock = 2;
 
 // Control area at the end of every rank's NVLink buffer, in ints. Peers write barrier signals, ring

@@ -1,9 +1,10 @@
-// Intranode combine over channel groups: group g is the kChannelsPerBlock consecutive dispatch channels
-// from g * kChannelsPerBlock on, one contiguous token range whose ring positions follow on from each
-// other. Block 2g sends back the rows this rank received from group g of every other rank (ring slot:
-// the row, then the k top-k weights), one warp per destination; block 2g + 1 reduces group g of this rank's
-// own tokens: bias first, then the contributions of ranks 0..R-1 in order, all in float32 (float64
-// for double), exactly like the torch backend. This rank's own contribution is read in place.
+// Intranode combine, one block per dispatch channel: the channel's token range of every rank. The
+// block's first R - 1 warps send back the rows this rank received from the channel of every other rank
+// (ring slot: the row, then the k top-k weights), one warp per destination; its other warps reduce the
+// channel's range of this rank's own tokens: bias first, then the contributions of ranks 0..R-1 in
+// order, all in float32 (float64 for double), exactly like the torch backend. This rank's own
+// contribution is read in place. Senders and reducers of all channels run at once, so every rank's
+// senders make progress while its reducers wait for theirs.
 #include <algorithm>
 
 #include <cuda_bf16.h>
@@ -16,9 +17,10 @@ namespace moe_ep::kernels {
 namespace {
 
 constexpr int kCombineThreads = 512;
-constexpr int kReduceWarps = kCombineThreads / 32;
-constexpr int kReduceChunk = 2 * kReduceWarps;  // tokens between two head publications
-constexpr int kUnroll = 2;                      // 16-byte units per lane in flight per contribution
+constexpr int kCombineWarps = kCombineThreads / 32;
+// A sender publishes its tail for the rows whose stores completed, up to this many stores back, so
+// that publishing never drains its pipeline.
+constexpr int kPublishLag = 2;
 
 // Conversions of a pair of 16-bit floats.
 template <typename T>
@@ -91,24 +93,14 @@ struct Pack<double> {
     }
 };
 
-// Rows [start, start + count) of x that this rank sends back to `lane`'s rank for channel group `group`.
-MOE_EP_DEVICE void returned_rows(const CombineArgs& a, int group, int rank, int num_ranks, int lane, int& start,
+// Rows [start, start + count) of x that this rank sends back to `dest` for `channel`.
+MOE_EP_DEVICE void returned_rows(const CombineArgs& a, int channel, int rank, int num_ranks, int dest, int& start,
                                  int& count) {
-    start = count = 0;
-    if (lane < num_ranks && lane != rank) {
-        const int C = a.num_channels, first = group * kChannelsPerBlock, next = first + kChannelsPerBlock;
-        start = a.recv_channel_prefix_matrix[lane * C + first];
-        const int end = next < C ? a.recv_channel_prefix_matrix[lane * C + next]
-                                 : a.rank_prefix_matrix[lane * num_ranks + rank];
-        count = end - start;
-    }
-}
-
-// Token range [begin, end) of channel group `group`: its dispatch channels' ranges joined.
-MOE_EP_DEVICE void group_range(const CombineArgs& a, int group, int& begin, int& end) {
-    int unused;
-    channel_range(a.num_tokens, a.num_channels, group * kChannelsPerBlock, begin, unused);
-    channel_range(a.num_tokens, a.num_channels, (group + 1) * kChannelsPerBlock - 1, unused, end);
+    const int C = a.num_channels;
+    start = a.recv_channel_prefix_matrix[dest * C + channel];
+    const int end = channel + 1 < C ? a.recv_channel_prefix_matrix[dest * C + channel + 1]
+                                    : a.rank_prefix_matrix[dest * num_ranks + rank];
+    count = end - start;
 }
 
 // Sender warp for one destination (owner) rank: its own stages, its own ring, its own progress. One
@@ -116,14 +108,14 @@ MOE_EP_DEVICE void group_range(const CombineArgs& a, int group, int& begin, int&
 // a sender stuck on a full ring of owner A while owner A waits for another sender stuck on owner B ...
 // closes a cycle. Lane 0 issues the bulk copies; lanes < k carry the weights, prefetched one row ahead.
 MOE_EP_DEVICE void send_rows(const CombineArgs& a, const StageRing& ring, int first_stage, int num_stages, int dest,
-                             int group, int slot_bytes, const CommContext& comm, volatile int* abort) {
+                             int channel, int slot_bytes, const CommContext& comm, volatile int* abort) {
     const int lane = threadIdx.x & 31;
     const int me = comm.rank;
     int start, count;
-    returned_rows(a, group, me, comm.num_ranks, dest, start, count);
-    uint8_t* ring_base = comm.peers.data[dest] + ring_offset(group, me, comm.num_ranks, a.ring_slots, slot_bytes);
-    int* tail_ptr = comm.peers.ctrl[dest] + ctrl::kTail + group * kMaxRanks + me;
-    const int* head_ptr = comm.peers.ctrl[me] + ctrl::kHead + group * kMaxRanks + dest;
+    returned_rows(a, channel, me, comm.num_ranks, dest, start, count);
+    uint8_t* ring_base = comm.peers.data[dest] + ring_offset(channel, me, comm.num_ranks, a.ring_slots, slot_bytes);
+    int* tail_ptr = comm.peers.ctrl[dest] + ctrl::kTail + channel * kMaxRanks + me;
+    const int* head_ptr = comm.peers.ctrl[me] + ctrl::kHead + channel * kMaxRanks + dest;
     const bool has_weights = a.topk_weights != nullptr && lane < a.num_topk;
     auto weight_of = [&](int i) {
         return has_weights && i < count ? a.topk_weights[static_cast<size_t>(start + i) * a.num_topk + lane] : 0.0f;
@@ -165,11 +157,12 @@ MOE_EP_DEVICE void send_rows(const CombineArgs& a, const StageRing& ring, int fi
                 bulk_store(ring_base + static_cast<size_t>(i % a.ring_slots) * slot_bytes, stage, slot_bytes);
                 bulk_commit();
                 MOE_EP_PROF(t_prof = timing.add(prof::kCopy, t_prof);)
-                if (i + 1 - published >= a.publish_every) {
-                    bulk_wait<0>();
+                const int done = i + 1 - kPublishLag;  // rows complete once at most kPublishLag stores are pending
+                if (done - published >= a.publish_every) {
+                    bulk_wait<kPublishLag>();
                     MOE_EP_PROF(t_prof = timing.add(prof::kCopyWait, t_prof);)
-                    publish_tail(tail_ptr, i + 1);
-                    published = i + 1;
+                    publish_tail(tail_ptr, done);
+                    published = done;
                     MOE_EP_PROF(t_prof = timing.add(prof::kPublish, t_prof);)
                 }
             }
@@ -188,7 +181,7 @@ MOE_EP_DEVICE void send_rows(const CombineArgs& a, const StageRing& ring, int fi
     bulk_wait<0>();
     MOE_EP_PROF(t_prof = timing.add(prof::kCopyWait, t_prof);)
     if (lane == 0 && ok && *abort == 0 && count > published) publish_tail(tail_ptr, count);
-    MOE_EP_PROF(timing.add(prof::kPublish, t_prof); timing.store(comm, prof::kCombine, group, dest);)
+    MOE_EP_PROF(timing.add(prof::kPublish, t_prof); timing.store(comm, prof::kCombine, channel, dest);)
 }
 
 MOE_EP_DEVICE int4 load_row_unit(const uint8_t* row, int unit, bool in_ring) {
@@ -196,36 +189,41 @@ MOE_EP_DEVICE int4 load_row_unit(const uint8_t* row, int unit, bool in_ring) {
     return in_ring ? __ldcg(p) : __ldg(p);
 }
 
-template <typename T>
-MOE_EP_DEVICE void reduce_group(const CombineArgs& a, int group, int slot_bytes, const CommContext& comm,
-                                  volatile int* abort) {
+// Reducer warps [first_warp, kCombineWarps) of the block: tokens of the channel round robin, heads
+// published after every chunk of 2 tokens per warp. kRanks bounds the world size: with at most 4 ranks
+// each lane keeps 3 16-byte units of every contribution in flight instead of 2 (the most that fit in
+// registers without spilling).
+template <typename T, int kRanks>
+MOE_EP_DEVICE void reduce_channel(const CombineArgs& a, int channel, int first_warp, int slot_bytes,
+                                  const CommContext& comm, volatile int* abort) {
     using P = Pack<T>;
     using Acc = typename P::Acc;
+    constexpr int kUnroll = kRanks == 4 ? 3 : 2;
     __shared__ int s_head[2][kMaxRanks];  // consumed ring positions, per chunk parity
-    const int warp = threadIdx.x / 32, lane = threadIdx.x & 31;
+    const int num_warps = kCombineWarps - first_warp, num_threads = 32 * num_warps;
+    const int warp = threadIdx.x / 32 - first_warp, lane = threadIdx.x & 31, thread = threadIdx.x - 32 * first_warp;
     const int R = comm.num_ranks, C = a.num_channels, me = comm.rank;
     MOE_EP_PROF(ProfRole timing; timing.begin(); uint64_t t_prof = timing.start;)
-    if (threadIdx.x < 2 * kMaxRanks) s_head[threadIdx.x / kMaxRanks][threadIdx.x % kMaxRanks] = 0;
-    asm volatile("bar.sync 1, %0;" ::"r"(kCombineThreads));
+    if (thread < 2 * kMaxRanks) s_head[thread / kMaxRanks][thread % kMaxRanks] = 0;
+    asm volatile("bar.sync 1, %0;" ::"r"(num_threads));
     MOE_EP_PROF(t_prof = timing.add(prof::kWaitStage, t_prof);)
 
     int begin, end;
-    group_range(a, group, begin, end);
-    // Lane r: where ring (group, r) starts in r's block, how far its tail is known, its slots.
-    const int first = group * kChannelsPerBlock;
-    const int chan_start = lane < R && first > 0 ? a.channel_prefix_matrix[lane * C + first - 1] : 0;
+    channel_range(a.num_tokens, C, channel, begin, end);
+    // Lane r: where ring (channel, r) starts in r's block, how far its tail is known, its slots.
+    const int chan_start = lane < R && channel > 0 ? a.channel_prefix_matrix[lane * C + channel - 1] : 0;
     const int self_base = me > 0 ? a.rank_prefix_matrix[(me - 1) * R + me] : 0;
-    const int* tail_ptr = comm.peers.ctrl[me] + ctrl::kTail + group * kMaxRanks + lane;
+    const int* tail_ptr = comm.peers.ctrl[me] + ctrl::kTail + channel * kMaxRanks + lane;
     const uint8_t* my_ring =
-        comm.peers.data[me] + ring_offset(group, lane < R ? lane : 0, R, a.ring_slots, slot_bytes);
+        comm.peers.data[me] + ring_offset(channel, lane < R ? lane : 0, R, a.ring_slots, slot_bytes);
     int tail_seen = 0, published = 0;
     const int units = a.row_bytes / 16;
 
     // A chunk never needs more ring positions than a ring holds: its heads are only published after it.
-    const int chunk_tokens = min(kReduceChunk, a.ring_slots);
+    const int chunk_tokens = min(2 * num_warps, a.ring_slots);
     for (int chunk = begin, index = 0; chunk < end; chunk += chunk_tokens, ++index) {
         const int parity = index & 1;
-        for (int t = chunk + warp; t < min(chunk + chunk_tokens, end); t += kReduceWarps) {
+        for (int t = chunk + warp; t < min(chunk + chunk_tokens, end); t += num_warps) {
             if (*abort) break;
             const uint32_t mask =
                 __ballot_sync(kFullMask, lane < R && reinterpret_cast<const uint8_t*>(a.is_token_in_rank)[
@@ -264,9 +262,9 @@ MOE_EP_DEVICE void reduce_group(const CombineArgs& a, int group, int slot_bytes,
                 timing.mark_first();
                 t_prof = now;
             })
-            const uint8_t* rows[kMaxRanks];
+            const uint8_t* rows[kRanks];
 #pragma unroll
-            for (int r = 0; r < kMaxRanks; ++r)
+            for (int r = 0; r < kRanks; ++r)
                 rows[r] = reinterpret_cast<const uint8_t*>(
                     __shfl_sync(kFullMask, reinterpret_cast<unsigned long long>(row), r));
 
@@ -286,14 +284,14 @@ MOE_EP_DEVICE void reduce_group(const CombineArgs& a, int group, int slot_bytes,
                             P::add(acc[i], load_row_unit(static_cast<const uint8_t*>(bias) + out_row, u0 + 32 * i, false));
                 }
                 // Every contribution's loads are issued before the first add: one memory latency per step.
-                int4 v[kMaxRanks][kUnroll];
+                int4 v[kRanks][kUnroll];
 #pragma unroll
-                for (int r = 0; r < kMaxRanks; ++r)
+                for (int r = 0; r < kRanks; ++r)
 #pragma unroll
                     for (int i = 0; i < kUnroll; ++i)
                         if (((mask >> r) & 1) && u0 + 32 * i < units) v[r][i] = load_row_unit(rows[r], u0 + 32 * i, r != me);
 #pragma unroll
-                for (int r = 0; r < kMaxRanks; ++r)
+                for (int r = 0; r < kRanks; ++r)
 #pragma unroll
                     for (int i = 0; i < kUnroll; ++i)
                         if (((mask >> r) & 1) && u0 + 32 * i < units) P::add(acc[i], v[r][i]);
@@ -306,7 +304,7 @@ MOE_EP_DEVICE void reduce_group(const CombineArgs& a, int group, int slot_bytes,
             if (a.combined_topk_weights != nullptr && lane < a.num_topk) {
                 float w = 0.0f;
 #pragma unroll
-                for (int r = 0; r < kMaxRanks; ++r) {
+                for (int r = 0; r < kRanks; ++r) {
                     if (!((mask >> r) & 1)) continue;
                     if (r == me) {
                         const int self_row = static_cast<int>((rows[r] - static_cast<const uint8_t*>(a.x)) / a.row_bytes);
@@ -321,52 +319,58 @@ MOE_EP_DEVICE void reduce_group(const CombineArgs& a, int group, int slot_bytes,
             MOE_EP_PROF(t_prof = timing.add(prof::kCopy, t_prof);)
         }
         MOE_EP_PROF(t_prof = timing.add(prof::kMeta, t_prof);)  // the last loop test and abort checks
-        asm volatile("bar.sync 1, %0;" ::"r"(kCombineThreads));
+        asm volatile("bar.sync 1, %0;" ::"r"(num_threads));
         MOE_EP_PROF(t_prof = timing.add(prof::kWaitStage, t_prof);)
-        if (threadIdx.x < R && threadIdx.x != me && *abort == 0) {
-            const int head = s_head[parity][threadIdx.x];
+        if (thread < R && thread != me && *abort == 0) {
+            const int head = s_head[parity][thread];
             if (head > published) {
-                st_release_sys(comm.peers.ctrl[threadIdx.x] + ctrl::kHead + group * kMaxRanks + me, head);
+                st_release_sys(comm.peers.ctrl[thread] + ctrl::kHead + channel * kMaxRanks + me, head);
                 published = head;
             }
         }
         MOE_EP_PROF(__syncwarp(); t_prof = timing.add(prof::kPublish, t_prof);)
     }
-    MOE_EP_PROF(timing.store(comm, prof::kCombine, group, prof::kCombineReducer, true, warp == 0);)
+    MOE_EP_PROF(timing.store(comm, prof::kCombine, channel, prof::kCombineReducer, true, warp == 0);)
 }
 
-template <typename T>
+template <typename T, int kRanks>
 __global__ void __launch_bounds__(kCombineThreads, 1) combine_kernel(CombineArgs a, CommContext comm, int num_stages,
                                                                       int slot_bytes) {
     extern __shared__ __align__(1024) uint8_t smem[];
     __shared__ volatile int s_abort;
-    const int group = blockIdx.x / 2;
+    const int channel = blockIdx.x, warp = threadIdx.x / 32, senders = comm.num_ranks - 1;
     if (threadIdx.x == 0) s_abort = 0;
-    if (blockIdx.x % 2 == 1) {
-        reduce_group<T>(a, group, slot_bytes, comm, &s_abort);  // its first barrier orders s_abort
-        return;
-    }
     const StageRing ring = make_stage_ring(smem, num_stages, slot_bytes, threadIdx.x == 0);
     __syncthreads();
-    const int warp = threadIdx.x / 32;
-    const int per_dest = num_stages / comm.num_ranks;  // warp d serves destination d with its own stages
-    if (warp < comm.num_ranks && warp != comm.rank)
-        send_rows(a, ring, warp * per_dest, per_dest, warp, group, slot_bytes, comm, &s_abort);
+    if (warp >= senders) {
+        reduce_channel<T, kRanks>(a, channel, senders, slot_bytes, comm, &s_abort);
+        return;
+    }
+    // Sender warp w serves the w-th other rank with its own share of the stages.
+    const int per_dest = num_stages / senders;
+    const int dest = warp < comm.rank ? warp : warp + 1;
+    send_rows(a, ring, warp * per_dest, per_dest, dest, channel, slot_bytes, comm, &s_abort);
+}
+
+template <typename T, int kRanks>
+cudaError_t launch_for_ranks(const CombineArgs& args, const CommContext& comm, cudaStream_t stream) {
+    const int slot_bytes = combine_slot_bytes(args.row_bytes, args.num_topk);
+    const int stages = max_pipeline_stages(slot_bytes, 1);
+    // At least one stage per destination; the reducers need at least one warp.
+    if (stages < comm.num_ranks - 1 || comm.num_ranks > kRanks || comm.num_ranks >= kCombineWarps)
+        return cudaErrorInvalidValue;
+    const size_t smem = stage_ring_smem_bytes(stages, slot_bytes);
+    cudaError_t err = cudaFuncSetAttribute(combine_kernel<T, kRanks>, cudaFuncAttributeMaxDynamicSharedMemorySize,
+                                           static_cast<int>(smem));
+    if (err != cudaSuccess) return err;
+    combine_kernel<T, kRanks><<<args.num_channels, kCombineThreads, smem, stream>>>(args, comm, stages, slot_bytes);
+    return cudaGetLastError();
 }
 
 template <typename T>
 cudaError_t launch_typed(const CombineArgs& args, const CommContext& comm, cudaStream_t stream) {
-    const int slot_bytes = combine_slot_bytes(args.row_bytes, args.num_topk);
-    const int stages = max_pipeline_stages(slot_bytes, 1);
-    // At least one stage per destination; whole channel groups.
-    if (stages < comm.num_ranks || args.num_channels % kChannelsPerBlock != 0) return cudaErrorInvalidValue;
-    const size_t smem = stage_ring_smem_bytes(stages, slot_bytes);
-    cudaError_t err = cudaFuncSetAttribute(combine_kernel<T>, cudaFuncAttributeMaxDynamicSharedMemorySize,
-                                           static_cast<int>(smem));
-    if (err != cudaSuccess) return err;
-    combine_kernel<T><<<2 * args.num_channels / kChannelsPerBlock, kCombineThreads, smem, stream>>>(args, comm, stages,
-                                                                                                    slot_bytes);
-    return cudaGetLastError();
+    return comm.num_ranks <= 4 ? launch_for_ranks<T, 4>(args, comm, stream)
+                               : launch_for_ranks<T, kMaxRanks>(args, comm, stream);
 }
 
 }  // namespace
