@@ -9,10 +9,14 @@ returns the sums. Low-latency mode: `ops.low_latency_dispatch` already delivers 
 
 Routing weights are applied exactly once, at combine (the un-permute here, inside the low-latency
 combine in that mode), in float32: experts run unweighted (`GroupedMLP(routing_weights=None)`).
+On CUDA with Triton, the un-permute and the backward passes of both permutations are fused Triton
+kernels (`permute_kernels`), with the torch code's arithmetic; elsewhere that torch code runs.
 """
 
 from __future__ import annotations
 
+from functools import cache
+from types import ModuleType
 from typing import Any, NamedTuple, Optional, Union
 
 import torch
@@ -23,6 +27,7 @@ from ..ops.routing import ExpertLayout, expert_major_layout, static_layout_rows
 from .config import MoEConfig
 
 Tokens = Union[torch.Tensor, tuple[torch.Tensor, torch.Tensor]]
+_TRITON_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 
 
 class ExpertInput(NamedTuple):
@@ -43,7 +48,7 @@ def _gather_rows(x: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
     return out.view(x.dtype) if is_fp8 else out
 
 
-def _sum_selections(y: torch.Tensor, dest_row: torch.Tensor, weights: Optional[torch.Tensor]) -> torch.Tensor:
+def _sum_selections_torch(y: torch.Tensor, dest_row: torch.Tensor, weights: Optional[torch.Tensor]) -> torch.Tensor:
     """`out[r] = sum_j w[r, j] * y[dest_row[r, j]]` over valid slots in slot order, at least float32."""
     acc = torch.zeros(dest_row.size(0), y.size(1), dtype=torch.promote_types(y.dtype, torch.float32),
                       device=y.device)
@@ -53,6 +58,46 @@ def _sum_selections(y: torch.Tensor, dest_row: torch.Tensor, weights: Optional[t
         factor = (rows >= 0).to(acc.dtype) if weights is None else torch.where(rows >= 0, weights[:, slot], 0)
         acc.addcmul_(y.index_select(0, rows.clamp(min=0)), factor.to(acc.dtype)[:, None])
     return acc
+
+
+def _unpermute_backward_torch(grad: torch.Tensor, y: torch.Tensor, src_row: torch.Tensor,
+                              row_weight: Optional[torch.Tensor],
+                              with_dots: bool) -> tuple[Optional[torch.Tensor], Optional[torch.Tensor]]:
+    """Per layout row `i` of the token `src_row[i]` (-1: padding, zeros): `grad[src] * row_weight[i]`
+    in y's dtype when `row_weight` is given, and `<grad[src], y[i]>` (at least float32) `with_dots`."""
+    acc = torch.promote_types(y.dtype, torch.float32)
+    row_grad = _gather_rows(grad, src_row).to(acc)  # the output gradient of each layout row's token
+    grad_y = None if row_weight is None else (row_grad * row_weight.to(acc)[:, None]).to(y.dtype)
+    dots = (row_grad * y.to(acc)).sum(-1) if with_dots else None
+    return grad_y, dots
+
+
+@cache
+def _permute_kernels() -> Optional[ModuleType]:
+    """`permute_kernels`, imported on first use (Triton is optional and slow to import), or None."""
+    try:
+        from . import permute_kernels
+    except ImportError:
+        return None
+    return permute_kernels
+
+
+def _triton_kernels(*tensors: torch.Tensor) -> Optional[ModuleType]:
+    """The Triton un-permute kernels where they run on `tensors` (CUDA sm_80+; bfloat16, float16 or
+    float32), else None: the torch code then runs (CPU, float64, no Triton)."""
+    device = tensors[0].device
+    if device.type != "cuda" or any(t.dtype not in _TRITON_DTYPES for t in tensors):
+        return None
+    return _permute_kernels() if torch.cuda.get_device_capability(device) >= (8, 0) else None
+
+
+def _sum_selections(y: torch.Tensor, dest_row: torch.Tensor, weights: Optional[torch.Tensor]) -> torch.Tensor:
+    """`out[r] = sum_j w[r, j] * y[dest_row[r, j]]` over valid slots in slot order, accumulated in at
+    least float32, in y's dtype (`weights=None`: factor 1); one fused pass where Triton runs."""
+    kernels = _triton_kernels(y)
+    if kernels is not None:
+        return kernels.weighted_selection_sum(y, dest_row, weights)
+    return _sum_selections_torch(y, dest_row, weights).to(y.dtype)
 
 
 class _Permute(torch.autograd.Function):
@@ -73,7 +118,7 @@ class _Permute(torch.autograd.Function):
     @staticmethod
     def backward(ctx: Any, grad: torch.Tensor) -> tuple[Optional[torch.Tensor], ...]:
         (dest_row,) = ctx.saved_tensors
-        return _sum_selections(grad, dest_row, None).to(grad.dtype), None, None, None
+        return _sum_selections(grad, dest_row, None), None, None, None
 
 
 class _Unpermute(torch.autograd.Function):
@@ -82,22 +127,21 @@ class _Unpermute(torch.autograd.Function):
     @staticmethod
     def forward(ctx: Any, y: torch.Tensor, weights: torch.Tensor, layout: ExpertLayout) -> torch.Tensor:
         ctx.save_for_backward(y, weights, layout.dest_row, layout.src_row, layout.src_slot)
-        return _sum_selections(y, layout.dest_row, weights).to(y.dtype)
+        return _sum_selections(y, layout.dest_row, weights)
 
     @staticmethod
     def backward(ctx: Any, grad: torch.Tensor) -> tuple[Optional[torch.Tensor], ...]:
         y, weights, dest_row, src_row, src_slot = ctx.saved_tensors
+        need_grad_y, need_grad_w = ctx.needs_input_grad[:2]
         num_topk = dest_row.size(1)
         pair = torch.where(src_row >= 0, src_row * num_topk + src_slot, weights.numel())  # extra slot: padding
-        acc = torch.promote_types(y.dtype, torch.float32)
-        row_grad = _gather_rows(grad, src_row).to(acc)  # the output gradient of each layout row's token
-        grad_y = grad_w = None
-        if ctx.needs_input_grad[0]:
-            row_weight = torch.cat([weights.reshape(-1), weights.new_zeros(1)])[pair]
-            grad_y = (row_grad * row_weight.to(acc)[:, None]).to(y.dtype)
-        if ctx.needs_input_grad[1]:
+        row_weight = torch.cat([weights.reshape(-1), weights.new_zeros(1)])[pair] if need_grad_y else None
+        kernels = _triton_kernels(y, grad)
+        backward = _unpermute_backward_torch if kernels is None else kernels.unpermute_backward
+        grad_y, dots = backward(grad, y, src_row, row_weight, need_grad_w)
+        grad_w = None
+        if dots is not None:
             # d loss / d w[r, j] = <grad[r], y[dest_row[r, j]]>; every selection owns one layout row.
-            dots = (row_grad * y.to(acc)).sum(-1)
             grad_w = weights.new_zeros(weights.numel() + 1).scatter_(0, pair, dots.to(weights.dtype))
             grad_w = grad_w[:-1].view_as(weights)
         return grad_y, grad_w, None
