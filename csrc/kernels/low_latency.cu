@@ -247,17 +247,24 @@ MOE_EP_DEVICE Operation begin_operation(const Context& c, const Layout& L) {
     return {phase_of(s_seq[0], L), phase_of(s_seq[1], L), s_abort != 0};
 }
 
-// Counts the block out of a phase; the last block advances `*seq` and returns true (in thread 0). The
-// fences order every block's work of the phase before what the last block does next.
+// Counts the block out of a phase; the last block advances `*seq` and returns true in all of its warp 0.
+// The fences order every block's work of the phase before what the last block does next; __syncwarp
+// extends that order from lane 0 to the other lanes of warp 0.
 MOE_EP_DEVICE bool finish_phase(uint32_t* done, uint64_t* seq) {
     __syncthreads();
-    if (threadIdx.x != 0) return false;
-    __threadfence();
-    if (atomicAdd(done, 1u) != gridDim.x - 1) return false;
-    __threadfence();
-    *done = 0;
-    *seq += 1;
-    return true;
+    if (threadIdx.x >= 32) return false;
+    bool last = false;
+    if (threadIdx.x == 0) {
+        __threadfence();
+        last = atomicAdd(done, 1u) == gridDim.x - 1;
+        if (last) {
+            __threadfence();
+            *done = 0;
+            *seq += 1;
+        }
+    }
+    __syncwarp();
+    return __shfl_sync(kFullMask, last, 0);
 }
 
 // Before writing a half, every rank must have received the operation that used it before (two
@@ -278,11 +285,13 @@ MOE_EP_DEVICE bool wait_for_receivers(const Context& c, const Layout& L, const P
     return !s_failed;
 }
 
-// Tells every rank (itself included) that this rank has received `received` operations. Called by the
-// last block of a receive phase after finish_phase, so all reads of the half happen before.
+// Tells every rank (itself included) that this rank has received `received` operations. Called by warp 0
+// of the last block of a receive phase after finish_phase, so all reads of the half happen before. One
+// lane per rank: a system-scope release waits for the thread's earlier stores to reach their peer, so
+// one thread storing to every rank in turn would pay an NVLink round trip per rank.
 MOE_EP_DEVICE void acknowledge(const Context& c, const Layout& L, uint64_t received) {
     const int64_t offset = L.acks + static_cast<int64_t>(c.comm.rank) * 8;
-    for (int r = 0; r < c.comm.num_ranks; ++r) {
+    for (int r = threadIdx.x; r < c.comm.num_ranks; r += 32) {
         if (c.peers[r] != nullptr)
             st_release_sys_u64(reinterpret_cast<uint64_t*>(c.peers[r] + offset), received);
         else
