@@ -4,10 +4,12 @@
 // Work is split among warps, numbered across blocks first (warp w of block b is global warp
 // w * grid + b) so that consecutive work items land on different SMs.
 //  * Dispatch send: item e < E counts the messages for expert e and signals the count to its owner;
-//    item E + (t * k + j) casts token t and writes it to expert topk[t, j] on its owner, at the
-//    position of t among this rank's tokens for that expert (so rows arrive in token order).
+//    item E + (t * R + r) casts token t once for rank r (if one of its experts lives there), writes the
+//    row to [this rank][t] on r, then signals each of t's messages for r's experts at the position of t
+//    among this rank's tokens for that expert (so rows arrive in token order).
 //  * Dispatch receive: (local expert, source) pairs, several warps per pair; each learns the counts of
-//    every source of its expert, packs its rows source-major and writes layout_range / recv_count.
+//    every source of its expert, packs its messages' rows source-major and writes layout_range /
+//    recv_count.
 //  * Combine send: (local expert, destination) pairs; each row goes to slot [global expert][token] of
 //    the rank it came from.
 //  * Combine receive: a block per token waits for its top-k rows and reduces them in slot order.
@@ -79,9 +81,10 @@ MOE_EP_DEVICE void add_wait(int64_t* stats, int rank, uint64_t waited_ns) {
 // ------------------------------------------------------------------ transport to peers without P2P
 
 #ifdef MOE_EP_WITH_NVSHMEM
-// NVSHMEM delivers the row, then its signal. `staged` must be symmetric memory written by this warp.
-MOE_EP_DEVICE void put_row_with_signal(uint8_t* sym_dst, const uint8_t* staged, size_t bytes, uint64_t* sym_signal,
-                                       uint64_t signal, int pe) {
+// NVSHMEM delivers the row, then its signal. `staged` must be symmetric memory written by this warp. Out of
+// line: peers without P2P are the cold path, and inlined into the dispatch loop it made the kernel spill.
+__device__ __noinline__ void put_row_with_signal(uint8_t* sym_dst, const uint8_t* staged, size_t bytes,
+                                                 uint64_t* sym_signal, uint64_t signal, int pe) {
     __threadfence_system();  // the staged row must be visible to the transport (a NIC) before it reads it
     __syncwarp();
     nvshmemx_putmem_signal_nbi_warp(sym_dst, staged, bytes, sym_signal, signal, NVSHMEM_SIGNAL_SET, pe);
@@ -326,6 +329,28 @@ MOE_EP_DEVICE int count_expert(const int16_t* ids, int n, int expert, int lane) 
     return warp_sum(count);
 }
 
+// The top-k slots of `token` whose expert lives on rank `dst`, as a lane mask (bit j: slot j); lane j
+// gets slot j's expert in `expert` (-1 for a masked slot or past the top-k).
+MOE_EP_DEVICE uint32_t slots_on_rank(const int16_t* s_ids, int token, int num_topk, int dst, int num_local, int lane,
+                                     int& expert) {
+    expert = lane < num_topk ? s_ids[token * num_topk + lane] : -1;
+    return __ballot_sync(kFullMask, expert >= 0 && expert / num_local == dst);
+}
+
+// Lane j of `slots` gets the position of slot j's message: the number of earlier entries for its expert.
+MOE_EP_DEVICE int slot_positions(const int16_t* s_ids, int token_entry, uint32_t slots, int expert, int lane) {
+    int position = 0;
+    for (uint32_t rest = slots; rest != 0; rest &= rest - 1) {
+        const int j = __ffs(rest) - 1;
+        const int p = count_expert(s_ids, token_entry + j, __shfl_sync(kFullMask, expert, j), lane);
+        if (lane == j) position = p;
+    }
+    return position;
+}
+
+// Items: one count per expert, then one per (token, destination rank). A token's row travels once to each
+// rank that hosts one of its experts, into row [source rank][token] of the data region; then every
+// (token, slot) message on that rank gets its signal: the token, in the flag of its expert's position.
 template <Mode kMode>
 MOE_EP_DEVICE void dispatch_send(const DispatchArgs& a, const Context& c, const Layout& L, const Phase& op,
                                  int16_t* s_ids) {
@@ -342,7 +367,7 @@ MOE_EP_DEVICE void dispatch_send(const DispatchArgs& a, const Context& c, const 
     const int lane = ws.lane;
     const int bytes = message_bytes(kMode, a.hidden);
     bool used_puts = false;
-    for (int item = ws.warp; item < a.num_experts + entries; item += ws.num_warps) {
+    for (int item = ws.warp; item < a.num_experts + a.num_tokens * num_ranks; item += ws.num_warps) {
         if (item < a.num_experts) {
             // Every (expert, source) pair gets a count, zero included: receivers wait for all of them.
             const int count = count_expert(s_ids, entries, item, lane);
@@ -359,32 +384,38 @@ MOE_EP_DEVICE void dispatch_send(const DispatchArgs& a, const Context& c, const 
             }
             continue;
         }
-        const int entry = item - a.num_experts;
-        const int expert = s_ids[entry];
-        if (expert < 0) continue;
-        const int token = entry / a.num_topk;
-        const int position = count_expert(s_ids, entry, expert, lane);  // earlier entries for this expert
-        const int dst = expert / num_local;
-        const int64_t message =
-            (static_cast<int64_t>(expert % num_local) * num_ranks + rank) * a.max_tokens + position;
-        const int64_t data_offset = op.data + message * L.row_bytes;
-        const int64_t flag_offset = op.flags + message * 8;
+        const int token = (item - a.num_experts) / num_ranks, dst = (item - a.num_experts) % num_ranks;
+        int expert;
+        const uint32_t slots = slots_on_rank(s_ids, token, a.num_topk, dst, num_local, lane, expert);
+        if (slots == 0) continue;
+        const int position = slot_positions(s_ids, token * a.num_topk, slots, expert, lane);
+        const int64_t data_offset = op.data + (static_cast<int64_t>(rank) * a.max_tokens + token) * L.row_bytes;
         uint8_t* peer = c.peers[dst];
-        // Peers without P2P: stage the message in the send region (row `entry`), then put it.
-        uint8_t* row = peer != nullptr ? peer + data_offset : c.local + L.send + entry * L.row_bytes;
+        // Peers without P2P: stage the row in the send region (row token * R + dst), then put it.
+        uint8_t* row = peer != nullptr ? peer + data_offset
+                                       : c.local + L.send + (static_cast<int64_t>(token) * num_ranks + dst) * L.row_bytes;
         const int4* x_row = static_cast<const int4*>(a.x) + static_cast<int64_t>(token) * (a.hidden / 8);
         if constexpr (kMode == Mode::kBF16)
             copy_row<true>(reinterpret_cast<int4*>(row), x_row, a.hidden / 8, lane);
         else
             cast_row_fp8<kMode == Mode::kFP8UE8M0>(x_row, row, a.hidden, a.round_scale, lane);
+        const bool my_slot = (slots >> lane) & 1u;
+        const int64_t message =
+            my_slot ? (static_cast<int64_t>(expert % num_local) * num_ranks + rank) * a.max_tokens + position : 0;
+        const int64_t flag_offset = op.flags + message * 8;
         const uint64_t signal = make_signal(op.tag, static_cast<uint32_t>(token));
         if (peer != nullptr) {
-            // __syncwarp orders the other lanes' stores before lane 0's release (release is cumulative).
+            // __syncwarp orders every lane's row stores before the releases (release is cumulative).
             __syncwarp();
-            if (lane == 0) st_release_sys_u64(reinterpret_cast<uint64_t*>(peer + flag_offset), signal);
+            if (my_slot) st_release_sys_u64(reinterpret_cast<uint64_t*>(peer + flag_offset), signal);
         } else {
-            put_row_with_signal(c.local + data_offset, row, bytes, reinterpret_cast<uint64_t*>(c.local + flag_offset),
-                                signal, dst);
+            // A put-with-signal orders one signal after its row: the row goes once per message (the same
+            // bytes again, so a receiver already reading it reads the same values).
+            for (uint32_t rest = slots; rest != 0; rest &= rest - 1) {
+                const int64_t flag = __shfl_sync(kFullMask, flag_offset, __ffs(rest) - 1);
+                put_row_with_signal(c.local + data_offset, row, bytes, reinterpret_cast<uint64_t*>(c.local + flag),
+                                    signal, dst);
+            }
             used_puts = true;
         }
     }
@@ -443,7 +474,7 @@ MOE_EP_DEVICE void dispatch_recv(const DispatchArgs& a, const Context& c, const 
             token = __shfl_sync(kFullMask, token, 0);
             const int64_t row = before + i;  // inside this expert
             const int64_t out_row = local_expert * slots + row;
-            const uint8_t* msg = data + (first + i) * L.row_bytes;
+            const uint8_t* msg = data + (static_cast<int64_t>(src) * a.max_tokens + token) * L.row_bytes;
             if (lane == 0) a.recv_src_info[out_row] = static_cast<int>(token);
             if constexpr (kMode == Mode::kBF16) {
                 copy_row<false>(static_cast<int4*>(a.recv_x) + out_row * (a.hidden / 8),

@@ -29,7 +29,7 @@ constexpr int kBlockThreads = 512;
 
 enum Phase : int { kSendPhase = 1, kRecvPhase = 2 };
 
-// What a dispatch sends per (token, expert): BF16 rows as they are, or the FP8 row followed by its
+// What a dispatch sends of a token: its BF16 row as it is, or the FP8 row followed by its
 // scales (float32 per 128 channels, or UE8M0 exponents packed four to an int32).
 enum class Mode : int { kBF16 = 0, kFP8 = 1, kFP8UE8M0 = 2 };
 
@@ -39,9 +39,10 @@ inline int64_t ack_bytes(int64_t num_ranks) { return (num_ranks * 8 + 127) / 128
 
 // Byte offsets inside the symmetric buffer for one (max tokens M, hidden H, ranks R, experts E):
 // `acks` first (see ack_bytes). Per half: `counts` [E_local][R] u64 dispatch counts, `flags` [E * M]
-// u64 per-row signals and `data` [E * M] rows of 2H bytes (dispatch: [E_local][R][M] messages;
-// combine: [E][M] by global expert and source token). Once: `send`, E * M rows of 2H bytes: the
-// zero-copy combine buffer and the staging area of rows put through NVSHMEM.
+// u64 signals (dispatch: one per message, [E_local][R][M], carrying the token; combine: one per row)
+// and `data` [E * M] rows of 2H bytes (dispatch: the first R * M, [source rank][token], each token sent
+// once per rank; combine: [E][M] by global expert and source token). Once: `send`, E * M rows of 2H
+// bytes: the zero-copy combine buffer and the staging area of rows put through NVSHMEM.
 // moe_ep/ops/config.py `low_latency_buffer_bytes` mirrors `total`.
 struct Layout {
     int64_t acks;
