@@ -422,6 +422,20 @@ MOE_EP_DEVICE void dispatch_send(const DispatchArgs& a, const Context& c, const 
     if (used_puts) complete_puts();
 }
 
+// Copies an FP8 message: the row to `out_row`, its `n` scale words to `out_scales[g * stride]` (the
+// token-dimension-contiguous layout). The first 64 words are loaded before the row so that their loads
+// overlap its copy instead of following it.
+MOE_EP_DEVICE void copy_fp8_message(int4* out_row, uint32_t* out_scales, int64_t stride, const uint8_t* msg, int hidden,
+                                    int n, int lane) {
+    const uint32_t* scales = reinterpret_cast<const uint32_t*>(msg + hidden);
+    const uint32_t first = lane < n ? scales[lane] : 0u;
+    const uint32_t second = lane + 32 < n ? scales[lane + 32] : 0u;
+    copy_row<false>(out_row, reinterpret_cast<const int4*>(msg), hidden / 16, lane);
+    if (lane < n) out_scales[lane * stride] = first;
+    if (lane + 32 < n) out_scales[(lane + 32) * stride] = second;
+    for (int g = lane + 64; g < n; g += 32) out_scales[g * stride] = scales[g];
+}
+
 template <Mode kMode>
 MOE_EP_DEVICE void dispatch_recv(const DispatchArgs& a, const Context& c, const Layout& L, const Phase& op) {
     const int num_ranks = c.comm.num_ranks;
@@ -480,14 +494,10 @@ MOE_EP_DEVICE void dispatch_recv(const DispatchArgs& a, const Context& c, const 
                 copy_row<false>(static_cast<int4*>(a.recv_x) + out_row * (a.hidden / 8),
                                 reinterpret_cast<const int4*>(msg), a.hidden / 8, lane);
             } else {
-                copy_row<false>(static_cast<int4*>(a.recv_x) + out_row * (a.hidden / 16),
-                                reinterpret_cast<const int4*>(msg), a.hidden / 16, lane);
-                // Scales are stored token-dimension-contiguous: element (expert, row, g) at (expert * G + g) * slots + row.
-                const uint32_t* msg_scales = reinterpret_cast<const uint32_t*>(msg + a.hidden);
-                uint32_t* out_scales = static_cast<uint32_t*>(a.recv_scales);
                 const int n = kMode == Mode::kFP8 ? groups : words;
-                for (int g = lane; g < n; g += 32)
-                    out_scales[(static_cast<int64_t>(local_expert) * n + g) * slots + row] = msg_scales[g];
+                copy_fp8_message(static_cast<int4*>(a.recv_x) + out_row * (a.hidden / 16),
+                                 static_cast<uint32_t*>(a.recv_scales) + static_cast<int64_t>(local_expert) * n * slots + row,
+                                 slots, msg, a.hidden, n, lane);
             }
         }
         add_wait(a.wait_stats, src, waited);  // lane 0 waited for the rows, lane src % 32 for the count
