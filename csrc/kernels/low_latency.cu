@@ -579,7 +579,9 @@ MOE_EP_DEVICE void combine_recv(const CombineArgs& a, const Context& c, const La
             const int j = threadIdx.x;
             bool ok = true;
             if (j < a.num_topk) {
+                // Both inputs are loaded before the wait (its fences would keep a later load behind it).
                 const int64_t e = __ldg(a.topk_idx + static_cast<int64_t>(t) * a.num_topk + j);
+                const float weight = __ldg(a.topk_weights + static_cast<int64_t>(t) * a.num_topk + j);
                 const int expert = e >= 0 && e < a.num_experts ? static_cast<int>(e) : -1;
                 uint64_t waited = 0;
                 uint32_t unused;
@@ -587,7 +589,7 @@ MOE_EP_DEVICE void combine_recv(const CombineArgs& a, const Context& c, const La
                     ok = wait_signal(flags + static_cast<int64_t>(expert) * a.max_tokens + t, op.tag, c, unused, waited);
                 if (expert >= 0) add_wait(a.wait_stats, expert / num_local, waited);
                 s_expert[j] = expert;
-                s_weight[j] = __ldg(a.topk_weights + static_cast<int64_t>(t) * a.num_topk + j);
+                s_weight[j] = weight;
             }
             const bool failed = __any_sync(kFullMask, !ok);
             if (j == 0) s_failed = failed;
