@@ -8,7 +8,9 @@ slots), FP8 dispatch and BF16 combine, with `num_max_dispatch_tokens_per_rank = 
   * dispatch + combine: one captured (dispatch, combine) pair replayed, timed with CUDA events after a
     barrier (median, slowest rank), so no host launch overhead is included;
   * bytes: one message per (token, expert) pair, `msg_bytes` each (FP8 dispatch: H + 4 H / 128;
-    combine: 2 H); `*_gbps` divide the bytes a rank sends to other ranks by the kernel time;
+    combine: 2 H); `*_gbps` divide the bytes a rank sends to other ranks by the kernel time. The
+    dispatch sends one row per (token, destination rank) (`remote_rows_max`); `dispatch_remote_gbps`
+    counts messages (bytes delivered), `hook_*_send_gbps` the bytes that cross NVLink in the send phase;
   * NCCL all_to_all_single moving the same messages between the same ranks (uint8 rows), timed like
     the pair above, in the same run.
 
@@ -80,6 +82,13 @@ def _remote_messages(topk_idx: torch.Tensor, num_experts: int) -> int:
     return int((topk_idx // (num_experts // world) != rank).sum())
 
 
+def _remote_rows(topk_idx: torch.Tensor, num_experts: int) -> int:
+    """(token, other rank) pairs with at least one of the token's experts on that rank."""
+    world, rank = dist.get_world_size(), dist.get_rank()
+    dest = topk_idx // (num_experts // world)
+    return sum(int((dest == r).any(dim=1).sum()) for r in range(world) if r != rank)
+
+
 def _measure(runtime: LowLatencyRuntime, tokens: int, args: argparse.Namespace) -> dict:
     world, rank = dist.get_world_size(), dist.get_rank()
     hidden, num_experts, topk = args.hidden, args.experts, args.topk
@@ -117,6 +126,7 @@ def _measure(runtime: LowLatencyRuntime, tokens: int, args: argparse.Namespace) 
 
     dispatch_msg, combine_msg = hidden + hidden // 128 * 4, 2 * hidden
     remote = slowest_rank(_remote_messages(topk_idx, num_experts))
+    remote_rows = slowest_rank(_remote_rows(topk_idx, num_experts))
     nccl_dispatch_us = median_time_us(_nccl_exchange(topk_idx, num_experts, dispatch_msg), args.warmup, args.iters)
     nccl_combine_us = median_time_us(_nccl_exchange(topk_idx, num_experts, combine_msg), args.warmup, args.iters)
     torch.cuda.synchronize()
@@ -124,6 +134,7 @@ def _measure(runtime: LowLatencyRuntime, tokens: int, args: argparse.Namespace) 
     del graph, first
     return {
         "tokens_per_rank": tokens, "messages_per_rank": tokens * topk, "remote_messages_max": int(remote),
+        "remote_rows_max": int(remote_rows),
         "dispatch_msg_bytes": dispatch_msg, "combine_msg_bytes": combine_msg,
         "dispatch_us": dispatch_us, "combine_us": combine_us, "dispatch_plus_combine_kernels_us": dispatch_us + combine_us,
         "dispatch_combine_pair_us": pair_us,
@@ -131,6 +142,8 @@ def _measure(runtime: LowLatencyRuntime, tokens: int, args: argparse.Namespace) 
         "hook_combine_send_us": combine_send_us, "hook_combine_recv_us": combine_recv_us,
         "dispatch_remote_gbps": remote * dispatch_msg / dispatch_us / 1e3,
         "combine_remote_gbps": remote * combine_msg / combine_us / 1e3,
+        "hook_dispatch_send_gbps": remote_rows * dispatch_msg / send_us / 1e3,
+        "hook_combine_send_gbps": remote * combine_msg / combine_send_us / 1e3,
         "nccl_dispatch_bytes_us": nccl_dispatch_us, "nccl_combine_bytes_us": nccl_combine_us,
     }
 
