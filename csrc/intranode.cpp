@@ -1,5 +1,6 @@
 // Torch binding of the normal-mode (intranode NVLink) operations: argument checks, output
-// allocation on the current stream, kernel launches and the host wait for receive counts.
+// allocation on the current stream, kernel launches and, without num_worst_tokens, the host wait for
+// receive counts.
 #include <c10/cuda/CUDAStream.h>
 #include <torch/extension.h>
 
@@ -63,7 +64,8 @@ const int* int_ptr(const Tensor& t) { return t.data_ptr<int>(); }
 
 #ifdef MOE_EP_PROFILE
 // Host side of the profile: channels of the last launch of each kernel, and how long the last
-// dispatch spent from the notify launch to the host learning the receive count.
+// dispatch spent from the notify launch to the host knowing the output size (with num_worst_tokens
+// the host does not wait: the launch alone).
 struct HostProfile {
     int channels[kernels::prof::kNumKernels] = {};
     double notify_wait_us = 0;
@@ -177,6 +179,7 @@ kernels::DispatchArgs dispatch_args(const Tensor& x, const optional<Tensor>& sca
     a.recv_channel_prefix_matrix = int_ptr(recv_channel_prefix);
     a.rank_prefix_matrix = int_ptr(rank_prefix);
     a.recv_x = out.x.data_ptr();
+    a.num_recv_rows = static_cast<int>(out.x.size(0));
     a.recv_x_scales = opt_ptr<uint32_t>(out.scales);
     a.recv_topk_idx = opt_ptr<int64_t>(out.topk_idx);
     a.recv_topk_weights = opt_ptr<float>(out.topk_weights);
@@ -189,6 +192,7 @@ kernels::DispatchArgs dispatch_args(const Tensor& x, const optional<Tensor>& sca
     return a;
 }
 
+// Padding rows past those received (all rows when the dispatch was cancelled).
 void fill_padding(const NvlRuntime& rt, const Tensor& rank_prefix, const RecvOutputs& out, int row_bytes,
                   cudaStream_t stream) {
     const int* num_recv = int_ptr(rank_prefix) + (rt.num_ranks() - 1) * rt.num_ranks() + rt.rank();
@@ -197,8 +201,23 @@ void fill_padding(const NvlRuntime& rt, const Tensor& rank_prefix, const RecvOut
     launch_check(kernels::launch_fill_padding(num_recv, static_cast<int>(out.x.size(0)), row_bytes, out.x.data_ptr(),
                                               num_scales, opt_ptr<uint32_t>(out.scales), num_topk,
                                               opt_ptr<int64_t>(out.topk_idx), opt_ptr<float>(out.topk_weights),
-                                              opt_ptr<int>(out.src_idx), stream),
+                                              opt_ptr<int>(out.src_idx), rt.comm(), stream),
                  "fill_padding");
+}
+
+// Rows of the outputs and the per-expert list of a dispatch whose notify kernel was just launched.
+struct RecvSizes {
+    int64_t num_rows;
+    std::vector<int> per_expert;
+};
+
+// With num_worst_tokens the sizes are fixed and the host goes on at once; an overflow cancels the
+// kernels on the device and is raised by a later call (NvlRuntime::check_usable). Without, the host
+// waits for the counts.
+RecvSizes recv_sizes(NvlRuntime& rt, int64_t num_worst_tokens, int num_local_experts) {
+    if (num_worst_tokens > 0) return {num_worst_tokens, {}};
+    const int num_recv = rt.wait_recv_count();
+    return {num_recv, rt.expert_counts(num_local_experts)};
 }
 
 py::tuple dispatch(NvlRuntime& rt, const Tensor& x, const optional<Tensor>& x_scales,
@@ -240,18 +259,15 @@ py::tuple dispatch(NvlRuntime& rt, const Tensor& x, const optional<Tensor>& x_sc
     const auto notify_started = std::chrono::steady_clock::now();
 #endif
     launch_check(kernels::launch_notify_dispatch(n, rt.comm(), stream), "notify_dispatch");
-    const int num_recv = rt.wait_recv_count();
+    const RecvSizes sizes = recv_sizes(rt, num_worst_tokens, El);
 #ifdef MOE_EP_PROFILE
     g_host_profile.notify_wait_us =
         std::chrono::duration<double, std::micro>(std::chrono::steady_clock::now() - notify_started).count();
     g_host_profile.channels[kernels::prof::kDispatch] = C;
 #endif
-    std::vector<int> per_expert;
-    if (num_worst_tokens == 0) per_expert = rt.expert_counts(El);
-    rt.arm_recv_count();
 
-    const int64_t num_rows = num_worst_tokens > 0 ? num_worst_tokens : num_recv;
-    RecvOutputs out = alloc_recv(x, x_scales, num_rows, num_topk, topk_idx.has_value(), topk_weights.has_value(), true);
+    RecvOutputs out = alloc_recv(x, x_scales, sizes.num_rows, num_topk, topk_idx.has_value(), topk_weights.has_value(),
+                                 true);
     Tensor send_head = at::empty({x.size(0), R}, iopts);
     kernels::DispatchArgs a = dispatch_args(x, x_scales, is_token_in_rank, channel_prefix, recv_channel_prefix,
                                             rank_prefix, out, static_cast<int>(ring_slots),
@@ -262,9 +278,9 @@ py::tuple dispatch(NvlRuntime& rt, const Tensor& x, const optional<Tensor>& x_sc
     a.num_local_experts = El;
     a.send_head = send_head.data_ptr<int>();
     launch_check(kernels::launch_dispatch(a, rt.comm(), stream), "dispatch");
-    if (num_rows > num_recv) fill_padding(rt, rank_prefix, out, row_bytes, stream);
-    return py::make_tuple(out.x, out.scales, out.topk_idx, out.topk_weights, per_expert, rank_prefix, channel_prefix,
-                          recv_channel_prefix, *out.src_idx, send_head);
+    if (num_worst_tokens > 0) fill_padding(rt, rank_prefix, out, row_bytes, stream);
+    return py::make_tuple(out.x, out.scales, out.topk_idx, out.topk_weights, sizes.per_expert, rank_prefix,
+                          channel_prefix, recv_channel_prefix, *out.src_idx, send_head);
 }
 
 py::tuple cached_dispatch(NvlRuntime& rt, const Tensor& x, const optional<Tensor>& x_scales,
@@ -345,6 +361,7 @@ void register_intranode(py::module_& m) {
                  std::vector<std::string> records(handles.begin(), handles.end());
                  rt.open_peers(records);
              })
+        .def("check_usable", &NvlRuntime::check_usable)
         .def("destroy", &NvlRuntime::destroy)
         .def_property_readonly("data_bytes", &NvlRuntime::data_bytes);
     m.def("get_dispatch_layout", &get_dispatch_layout);

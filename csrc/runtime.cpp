@@ -122,13 +122,45 @@ kernels::CommContext NvlRuntime::comm() const {
     return ctx;
 }
 
-void NvlRuntime::check_usable() const {
+void NvlRuntime::check_usable() {
     if (broken_) throw std::runtime_error("moe_ep CUDA backend unusable: " + broken_reason_);
     if (!connected_) throw std::runtime_error("moe_ep CUDA backend: peers are not connected yet");
+    // An overflow first: it may be what made a later kernel of some rank time out.
+    const kernels::WorstTokensOverflow overflow = read_overflow();
+    if (overflow.seq / 2 > overflows_raised_) raise_overflow(overflow);
     const int code = reinterpret_cast<volatile kernels::HostFlags*>(flags_)->error;
-    if (code != kernels::kOk && code != kernels::kErrWorstTokens)
+    if (code != kernels::kOk)
         throw std::runtime_error(std::string("moe_ep CUDA backend: an earlier kernel failed: ") + describe(code) +
                                  "; the buffer is unusable, recreate the process group and Buffer");
+}
+
+kernels::WorstTokensOverflow NvlRuntime::read_overflow() const {
+    const volatile kernels::WorstTokensOverflow* live = &flags_->overflow;
+    kernels::WorstTokensOverflow copy{};
+    // The device rewrites the fields within microseconds; should it die in between, a torn report is
+    // still a report.
+    for (int attempt = 0; attempt < (1 << 20); ++attempt) {
+        copy = {live->seq, live->rank, live->rows, live->limit};
+        if (copy.seq % 2 == 0 && live->seq == copy.seq) return copy;
+    }
+    copy.seq += copy.seq % 2;
+    return copy;
+}
+
+void NvlRuntime::raise_overflow(const kernels::WorstTokensOverflow& report) {
+    const int unraised = report.seq / 2 - overflows_raised_;
+    overflows_raised_ = report.seq / 2;
+    // Each rank raises at the first call that finds the report, so the ranks may have stopped at different
+    // calls: going on could pair different operations across ranks.
+    broken_ = true;
+    broken_reason_ = "a dispatch's num_worst_tokens was too small (raised as ValueError); create a new Buffer on "
+                     "every rank";
+    std::string message = "num_worst_tokens: too small, rank " + std::to_string(report.rank) + " receives " +
+                          std::to_string(report.rows) + " rows, more than its num_worst_tokens=" +
+                          std::to_string(report.limit) + "; that dispatch was cancelled on every rank (no data "
+                          "moved, its outputs are padding, its handle is invalid)";
+    if (unraised > 1) message += " (" + std::to_string(unraised) + " dispatches overflowed)";
+    throw std::invalid_argument(message + "; the Buffer is unusable now: create a new one on every rank");
 }
 
 void NvlRuntime::arm_recv_count() { reinterpret_cast<volatile kernels::HostFlags*>(flags_)->recv_count = -1; }
@@ -142,6 +174,8 @@ int NvlRuntime::wait_recv_count() {
         const int count = flags->recv_count;
         if (count >= 0) {
             if (flags->error != kernels::kOk) fail_from_flags();
+            // Every rank's dispatch kernel of this call moves nothing, so not launching it here is safe.
+            if (flags->recv_cancelled) raise_overflow(read_overflow());
             return count;
         }
         if ((spins & 1023) == 1023) {
@@ -157,15 +191,7 @@ int NvlRuntime::wait_recv_count() {
 }
 
 void NvlRuntime::fail_from_flags() {
-    volatile kernels::HostFlags* flags = flags_;
-    const int code = flags->error, detail = flags->error_detail;
-    if (code == kernels::kErrWorstTokens) {
-        // Every rank saw the same counts and fails the same way; the buffer stays consistent.
-        flags->error = kernels::kOk;
-        flags->recv_count = -1;
-        throw std::invalid_argument("num_worst_tokens: too small, rank " + std::to_string(detail) +
-                                    " receives more rows than num_worst_tokens");
-    }
+    const int code = reinterpret_cast<volatile kernels::HostFlags*>(flags_)->error;
     broken_ = true;
     broken_reason_ = describe(code);
     throw std::runtime_error(std::string("moe_ep CUDA backend: ") + describe(code) + " (kernel timeout after " +

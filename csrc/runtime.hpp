@@ -32,9 +32,12 @@ class NvlRuntime {
     // Launch context; MOE_EP_PIPELINE_LAG (benchmarks) overrides the bulk-store pipelining depth.
     kernels::CommContext comm() const;
 
-    // Throws if the buffer is unusable: destroyed, not yet connected, or a kernel reported an error.
-    void check_usable() const;
-    // Waits (host side, with a timeout) until the notify kernel published the received row count.
+    // Throws if the buffer is unusable: destroyed, not yet connected, or a kernel reported an error. Throws
+    // std::invalid_argument for a num_worst_tokens overflow that the notify kernel reported (visible once
+    // the device ran it) and the host has not raised yet; the buffer is unusable afterwards.
+    void check_usable();
+    // Waits (host side, with a timeout) until the notify kernel published the received row count;
+    // throws like check_usable when a num_worst_tokens overflow cancelled this dispatch.
     int wait_recv_count();
     // Received slots per local expert, as the notify kernel left them.
     std::vector<int> expert_counts(int num_local_experts) const;
@@ -47,6 +50,9 @@ class NvlRuntime {
 
    private:
     [[noreturn]] void fail_from_flags();
+    // The device's latest overflow report, read consistently while the device may be writing a new one.
+    kernels::WorstTokensOverflow read_overflow() const;
+    [[noreturn]] void raise_overflow(const kernels::WorstTokensOverflow& report);
 
     int rank_, num_ranks_, device_ = -1;
     int64_t data_bytes_;
@@ -58,6 +64,7 @@ class NvlRuntime {
     kernels::CommContext comm_{};
     bool connected_ = false;
     bool broken_ = false;
+    int overflows_raised_ = 0;  // overflow reports (seq / 2) already raised
 #ifdef MOE_EP_PROFILE
     int64_t* profile_ = nullptr;  // device memory, kernels::prof::kInt64s values
 #endif

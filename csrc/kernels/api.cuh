@@ -31,6 +31,9 @@ constexpr int kChannelsPerBlock = 2;
 namespace ctrl {
 constexpr int kBarrierSignal = 0;                          // [kMaxRanks], monotonically increasing
 constexpr int kBarrierEpoch = kMaxRanks;                   // barriers this rank has entered
+// Nonzero while dispatch kernels must move nothing: set by this rank's notify_dispatch from its start
+// until it found every rank's rows within that rank's num_worst_tokens (all ranks reach one verdict).
+constexpr int kDispatchCancelled = kBarrierEpoch + 1;
 constexpr int kTail = 32;                                  // [kMaxChannels][kMaxRanks] written by senders
 constexpr int kHead = kTail + kMaxChannels * kMaxRanks;    // [kMaxChannels][kMaxRanks] written by receivers
 constexpr int kNotify = kHead + kMaxChannels * kMaxRanks;  // [kMaxRanks][kNotifySlot] written by peers
@@ -39,13 +42,24 @@ constexpr int kInts = kNotify + kMaxRanks * kNotifySlot;
 constexpr int64_t kBytes = (kInts * 4 + 4095) / 4096 * 4096;
 }  // namespace ctrl
 
+// A rank that receives more rows than its num_worst_tokens, as the notify kernel found it. The device
+// is the only writer: `seq` is odd while it rewrites the fields and grows by 2 per overflow, so that
+// the host reads a consistent copy at any time and counts the overflows it has not raised yet.
+struct WorstTokensOverflow {
+    int seq;
+    int rank;
+    int rows;
+    int limit;
+};
+
 // Pinned, device-mapped memory through which kernels report to the host without a synchronization.
 struct HostFlags {
-    int recv_count;  // rows this rank receives; -1 until the notify kernel writes it
+    int recv_count;  // rows this rank receives; -1 until the notify kernel writes it (num_worst_tokens == 0 only)
     int error;       // ErrorCode, 0 while everything is fine
     int error_detail;
-    int pad;
-    int expert_counts[kMaxLocalExperts];  // received slots per local expert, aligned
+    int recv_cancelled;  // written with recv_count: 1 when a num_worst_tokens overflow cancelled the dispatch
+    int expert_counts[kMaxLocalExperts];  // received slots per local expert, aligned (num_worst_tokens == 0 only)
+    WorstTokensOverflow overflow;
 };
 
 enum ErrorCode : int {
@@ -53,7 +67,6 @@ enum ErrorCode : int {
     kErrBarrierTimeout = 1,     // a peer never reached a barrier
     kErrSendTimeout = 2,        // a receiver never freed ring slots
     kErrRecvTimeout = 3,        // a sender never delivered
-    kErrWorstTokens = 4,        // some rank receives more than num_worst_tokens rows (detail: that rank)
     kErrInternalTimeout = 5,    // a pipeline stage inside one block never completed
 };
 
@@ -134,14 +147,17 @@ struct NotifyArgs {
     int num_channels;
     int num_local_experts;
     int expert_alignment;
-    int num_worst_tokens;
+    int num_worst_tokens;  // this rank's limit, 0 = none (then the host waits for the counts)
     int* channel_prefix_matrix;       // out [R, C]
     int* rank_prefix_matrix;          // out [R, R]
     int* recv_channel_prefix_matrix;  // out [R, C]
 };
 
-// Exchanges counts with every peer; writes the three prefix matrices and, into the host flags, the
-// received row count and per-expert counts. Also resets the ring counters for the next data kernel.
+// Exchanges counts and num_worst_tokens limits with every peer; writes the three prefix matrices and,
+// when the host waits (num_worst_tokens == 0), the received row count and per-expert counts into the
+// host flags. When some rank would receive more rows than its limit, it cancels the data kernels up to
+// the next notify (ctrl::kDispatchCancelled) and reports the overflow (HostFlags::overflow). Also
+// resets the ring counters for the next data kernel.
 cudaError_t launch_notify_dispatch(const NotifyArgs& args, const CommContext& comm, cudaStream_t stream);
 
 // Barrier, reset of this rank's ring counters, barrier: what a data kernel needs when no notify runs.
@@ -158,6 +174,7 @@ struct DispatchArgs {
     const int* recv_channel_prefix_matrix;  // [R, C] receiver side
     const int* rank_prefix_matrix;          // [R, R]
     void* recv_x;                   // [N, row_bytes]
+    int num_recv_rows;              // N: rows of every recv_* output
     uint32_t* recv_x_scales;        // [N, G] or null
     int64_t* recv_topk_idx;         // [N, k] or null
     float* recv_topk_weights;       // [N, k] or null
@@ -180,12 +197,16 @@ int combine_slot_bytes(int row_bytes, int num_topk);
 // rings share it (0 if not even two fit).
 int max_pipeline_stages(int slot_bytes, int pipelines);
 
+// Moves nothing (it still writes send_head) when the dispatch is cancelled (ctrl::kDispatchCancelled)
+// or this rank's rows (from rank_prefix_matrix) exceed num_recv_rows.
 cudaError_t launch_dispatch(const DispatchArgs& args, const CommContext& comm, cudaStream_t stream);
 
-// Rows [*num_recv, num_rows) of the dispatch outputs become padding (0 / -1).
+// Rows [*num_recv, num_rows) of the dispatch outputs become padding (0 / -1); every row when the
+// dispatch was cancelled (as launch_dispatch decides it).
 cudaError_t launch_fill_padding(const int* num_recv, int num_rows, int row_bytes, void* recv_x, int num_scales,
                                 uint32_t* recv_x_scales, int num_topk, int64_t* recv_topk_idx,
-                                float* recv_topk_weights, int* recv_src_idx, cudaStream_t stream);
+                                float* recv_topk_weights, int* recv_src_idx, const CommContext& comm,
+                                cudaStream_t stream);
 
 enum class DType : int { kBFloat16 = 0, kFloat16 = 1, kFloat32 = 2, kFloat64 = 3 };
 

@@ -25,6 +25,19 @@ struct SlotLayout {
     MOE_EP_DEVICE int weights() const { return topk() + num_topk; }
 };
 
+// Whether a dispatch must move nothing: the last notify kernel found some rank receiving more rows
+// than its num_worst_tokens (or failed), a verdict that every rank shares, so that no block anywhere
+// waits for another; or this rank's rows would not fit its outputs (a cached dispatch reusing the
+// handle of such a dispatch: no other rank knows, their waits end in the timeout).
+MOE_EP_DEVICE bool dispatch_cancelled(const CommContext& comm, const int* num_recv, int num_recv_rows) {
+    return ld_volatile(comm.peers.ctrl[comm.rank] + ctrl::kDispatchCancelled) != 0 || *num_recv > num_recv_rows;
+}
+
+// Rows this rank receives, from the handle.
+MOE_EP_DEVICE const int* recv_total(const int* rank_prefix_matrix, const CommContext& comm) {
+    return rank_prefix_matrix + (comm.num_ranks - 1) * comm.num_ranks + comm.rank;
+}
+
 // Writes one received token's extras into the outputs (lane-parallel), mapping expert ids to local ids.
 MOE_EP_DEVICE void write_recv_extras(const DispatchArgs& a, const SlotLayout& layout, const uint8_t* slot, int row,
                                      int rank, int lane) {
@@ -247,6 +260,10 @@ __global__ void __launch_bounds__(kDispatchThreads, 1) dispatch_kernel(DispatchA
     const int channel = blockIdx.x / 2 * kChannelsPerBlock + pipeline;
     const bool is_sender = blockIdx.x % 2 == 0;
     const int warp = (threadIdx.x % kPipelineThreads) / 32;
+    // A cancelled dispatch still writes send_head (this rank's routing alone), so that a combine issued
+    // with its handle before the error surfaces pairs up across ranks instead of waiting on garbage.
+    const bool cancelled = dispatch_cancelled(comm, recv_total(a.rank_prefix_matrix, comm), a.num_recv_rows);
+    if (cancelled && !is_sender) return;
     const SlotLayout layout{a.row_bytes, a.num_scales, a.num_topk};
     const StageRing ring = make_stage_ring(smem + pipeline * stage_ring_smem_bytes(num_stages, slot_bytes), num_stages,
                                            slot_bytes, threadIdx.x % kPipelineThreads == 0);
@@ -260,20 +277,22 @@ __global__ void __launch_bounds__(kDispatchThreads, 1) dispatch_kernel(DispatchA
     }
     int begin, end;
     channel_range(a.num_tokens, a.num_channels, channel, begin, end);
-    if (warp < kLoaderWarps) {
+    if (warp == kLoaderWarps + 1) {
+        if (a.send_head != nullptr) write_send_head(a, channel, begin, end, comm.num_ranks MOE_EP_PROF(, comm));
+    } else if (cancelled) {
+        return;
+    } else if (warp < kLoaderWarps) {
         load_tokens(a, layout, ring, channel, begin, end, warp, comm, &s_abort);
-    } else if (warp == kLoaderWarps) {
+    } else {
         const SelfSink sink{&a, layout, a.recv_channel_prefix_matrix[comm.rank * a.num_channels + channel], comm.rank};
         run_storer(ring, StorerParams{channel, a.ring_slots, slot_bytes, a.publish_every}, comm, sink, &s_abort);
-    } else if (warp == kLoaderWarps + 1 && a.send_head != nullptr) {
-        write_send_head(a, channel, begin, end, comm.num_ranks MOE_EP_PROF(, comm));
     }
 }
 
 __global__ void fill_padding_kernel(const int* num_recv, int num_rows, int row_bytes, uint8_t* recv_x, int num_scales,
                                     uint32_t* recv_x_scales, int num_topk, int64_t* recv_topk_idx,
-                                    float* recv_topk_weights, int* recv_src_idx) {
-    const int first = *num_recv;
+                                    float* recv_topk_weights, int* recv_src_idx, CommContext comm) {
+    const int first = dispatch_cancelled(comm, num_recv, num_rows) ? 0 : *num_recv;
     const int units = row_bytes / 16;
     for (int row = first + blockIdx.x; row < num_rows; row += gridDim.x) {
         int4* out = reinterpret_cast<int4*>(recv_x + static_cast<size_t>(row) * row_bytes);
@@ -324,12 +343,13 @@ cudaError_t launch_dispatch(const DispatchArgs& args, const CommContext& comm, c
 
 cudaError_t launch_fill_padding(const int* num_recv, int num_rows, int row_bytes, void* recv_x, int num_scales,
                                 uint32_t* recv_x_scales, int num_topk, int64_t* recv_topk_idx,
-                                float* recv_topk_weights, int* recv_src_idx, cudaStream_t stream) {
+                                float* recv_topk_weights, int* recv_src_idx, const CommContext& comm,
+                                cudaStream_t stream) {
     if (num_rows == 0) return cudaSuccess;
     const int blocks = std::min(num_rows, 1024);
     fill_padding_kernel<<<blocks, 128, 0, stream>>>(num_recv, num_rows, row_bytes, static_cast<uint8_t*>(recv_x),
                                                     num_scales, recv_x_scales, num_topk, recv_topk_idx,
-                                                    recv_topk_weights, recv_src_idx);
+                                                    recv_topk_weights, recv_src_idx, comm);
     return cudaGetLastError();
 }
 

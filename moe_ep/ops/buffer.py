@@ -141,6 +141,16 @@ class Buffer:
         self._cuda = None
         self._destroyed = True
 
+    def check_errors(self) -> None:
+        """Wait for this rank's queued CUDA work, then raise what the CUDA backend's kernels reported and
+        no call raised yet: the `ValueError` of a dispatch whose `num_worst_tokens` was too small (found
+        without a host wait, see docs/semantics.md) or the `RuntimeError` of a failed kernel. The torch
+        backend raises in the call itself."""
+        from .backends.cuda_backend import CudaBackend
+
+        if isinstance(self._cuda, CudaBackend):
+            self._cuda.check_errors()
+
     def backend_name_for(self, tensor: torch.Tensor) -> str:
         """Which backend ("torch" or "cuda") serves operations on tensors like `tensor`."""
         return self._backend_for(tensor).name

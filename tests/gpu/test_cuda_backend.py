@@ -26,6 +26,7 @@ pytestmark = pytest.mark.skipif(
 
 WORLDS = [2, 3, 4, 8]  # 8 runs where 8 GPUs exist (the pool skips it otherwise)
 NVL_BYTES = 1 << 30
+EXACT_FIT = -2  # Case.num_worst_extra: num_worst_tokens = the most rows any rank receives
 _BUFFERS: dict[str, moe_ep.Buffer] = {}
 
 
@@ -39,7 +40,7 @@ class Case:
     dtype: str = "bfloat16"
     routing: str = "random"
     alignment: int = 1
-    num_worst_extra: int = -1  # >= 0: num_worst_tokens = all tokens of the group + this
+    num_worst_extra: int = -1  # >= 0: num_worst_tokens = all tokens of the group + this; or EXACT_FIT
     use_fp8: bool = False
     strided_scales: bool = False
     with_weights: bool = True
@@ -60,6 +61,8 @@ CASES = [
     Case("zero_tokens_and_unused_rank", tokens=(23, 0, 31, 0), routing="one_rank_empty", hidden=384),
     Case("topk_32_no_weights", experts_per_rank=16, topk=32, hidden=256, with_weights=False),
     Case("num_worst_tokens", num_worst_extra=7, alignment=2),
+    Case("num_worst_tokens_exact_fit", routing="skewed", hidden=512, num_worst_extra=EXACT_FIT),
+    Case("fp8_num_worst_tokens", hidden=512, use_fp8=True, num_worst_extra=0),
     Case("tiny_ring_wraps", tokens=(1500, 1300, 1700, 900), hidden=256, config=(4, 2, 8)),
 ]
 
@@ -101,6 +104,15 @@ def _inputs(c: Case, rank: int, world: int, seed: int) -> tuple[object, torch.Te
     return x, mine.topk_idx, mine.topk_weights, num_experts
 
 
+def _num_worst_tokens(c: Case, topk_idx: torch.Tensor, num_experts: int, world: int) -> int:
+    if c.num_worst_extra == EXACT_FIT:
+        owner = topk_idx.div(num_experts // world, rounding_mode="floor")
+        rows = torch.stack([((owner == r) & (topk_idx >= 0)).any(1).sum() for r in range(world)])
+        dist.all_reduce(rows)
+        return int(rows.max())
+    return sum(tokens_for(c.tokens, world)) + c.num_worst_extra if c.num_worst_extra >= 0 else 0
+
+
 def _round_trip(buffer: moe_ep.Buffer, c: Case, x: object, topk_idx: torch.Tensor, topk_weights: torch.Tensor,
                 num_experts: int, num_worst: int, bias: Optional[tuple[torch.Tensor, ...]], rank: int,
                 async_mode: bool = False) -> dict[str, object]:
@@ -134,7 +146,7 @@ def _compare_backends(rank: int, world: int, case: dict, seed: int = 1234, async
     c = Case(**case)
     torch_buf, cuda_buf = _buffers(dist.group.WORLD)
     x, topk_idx, topk_weights, num_experts = _inputs(c, rank, world, seed + world)
-    num_worst = sum(tokens_for(c.tokens, world)) + c.num_worst_extra if c.num_worst_extra >= 0 else 0
+    num_worst = _num_worst_tokens(c, topk_idx, num_experts, world)
     gen = torch.Generator().manual_seed(99 + rank)
     shape = (c.tokens[rank], c.hidden)
     bias = tuple(torch.randn(shape, generator=gen).to(getattr(torch, c.dtype)).cuda() for _ in range(c.with_bias))
@@ -171,6 +183,8 @@ def test_cuda_matches_torch_backend(nccl_pool, world: int) -> None:
 def test_async_previous_event_mode(nccl_pool) -> None:
     world = min(4, torch.cuda.device_count())
     nccl_pool(world).run(_compare_backends, asdict(Case("async", hidden=1024)), async_mode=True)
+    nccl_pool(world).run(_compare_backends, asdict(Case("async_worst", hidden=1024, num_worst_extra=3)),
+                         async_mode=True)
 
 
 def _hashes(rank: int, world: int, repeats: int) -> list[str]:
@@ -202,24 +216,91 @@ def test_pressure_same_seed_same_hash(nccl_pool) -> None:
         assert len(set(digests)) == 1, "outputs differ between identical runs"
 
 
-def _worst_tokens_overflow(rank: int, world: int) -> str:
-    c = Case("overflow", hidden=256)
+def _graph_captured_dispatch(rank: int, world: int) -> None:
+    """With num_worst_tokens the call only enqueues work: a host wait for the counts could not end
+    while capturing (nothing runs), so capture would fail."""
+    c = Case("graph", hidden=512, num_worst_extra=5)
     _, cuda_buf = _buffers(dist.group.WORLD)
+    backend = cuda_buf._cuda
+    x, topk_idx, topk_weights, num_experts = _inputs(c, rank, world, 21)
+    num_worst = _num_worst_tokens(c, topk_idx, num_experts, world)
+    config = moe_ep.Config(c.config[0], c.config[1], c.config[2], 6, 128)
+    per_rank, _, per_expert, in_rank, _ = cuda_buf.get_dispatch_layout(topk_idx, num_experts)
+
+    def dispatch() -> object:
+        return backend.dispatch(x, None, topk_idx, topk_weights, per_rank, in_rank, per_expert, 1, num_worst, config)
+
+    eager = dispatch()
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph, capture_error_mode="thread_local"):
+        captured = dispatch()
+    graph.replay()
+    torch.cuda.synchronize()
+    _same(captured, eager, "graph replay")
+
+
+def test_num_worst_tokens_dispatch_captures_in_cuda_graph(nccl_pool) -> None:
+    nccl_pool(2).run(_graph_captured_dispatch, timeout=120)
+
+
+def _limit(scenario: str, rank: int, world: int, fits: int) -> int:
+    """num_worst_tokens of `rank`: 1 is too small for every rank (each receives far more rows)."""
+    if scenario == "every_rank_too_small":
+        return 1
+    if scenario == "waiting_rank" and rank == 0:
+        return 0  # no limit: this rank waits for the counts and learns the verdict in the call
+    return 1 if rank == world - 1 else fits
+
+
+def _assert_all_padding(recv: tuple) -> None:
+    recv_x, recv_topk_idx, recv_topk_weights, per_expert, handle, _ = recv
+    assert not recv_x.any() and bool((recv_topk_idx == -1).all()) and not recv_topk_weights.any()
+    assert bool((handle.recv_src_idx == -1).all()) and per_expert == []
+
+
+def _worst_tokens_overflow(rank: int, world: int, scenario: str) -> str:
+    """An overflow cancels the dispatch on every rank (outputs all padding) and raises a ValueError on every
+    rank: in the call for a rank without limit, else by the next call after the device ran it or by
+    check_errors(). The Buffer is unusable afterwards."""
+    c = Case("overflow", hidden=256)
+    buffer = moe_ep.Buffer(dist.group.WORLD, 1 << 26, backend="cuda", explicitly_destroy=True)
     x, topk_idx, topk_weights, num_experts = _inputs(c, rank, world, 5)
+    limit = _limit(scenario, rank, world, sum(tokens_for(c.tokens, world)) + 3)
+    config = moe_ep.Config(c.config[0], c.config[1], c.config[2], 6, 128)
+    per_rank, _, per_expert, in_rank, _ = buffer.get_dispatch_layout(topk_idx, num_experts)
     try:
-        _round_trip(cuda_buf, c, x, topk_idx, topk_weights, num_experts, 1, None, rank)
+        recv = buffer.dispatch(x, num_tokens_per_rank=per_rank, is_token_in_rank=in_rank,
+                               num_tokens_per_expert=per_expert, topk_idx=topk_idx, topk_weights=topk_weights,
+                               num_worst_tokens=limit, config=config)
+        assert limit > 0, "the rank without limit waits for the verdict and raises in the call"
+        torch.cuda.synchronize()
+        assert recv[0].size(0) == limit
+        _assert_all_padding(recv)
+        if scenario == "every_rank_too_small":
+            buffer.dispatch(x, handle=recv[4], config=config)
+        else:
+            buffer.check_errors()
     except ValueError as exc:
         message = str(exc)
     else:
-        raise AssertionError("num_worst_tokens=1 did not raise")
-    # The buffer stays usable after the error that every rank saw.
-    _compare_backends(rank, world, asdict(Case("after_overflow", hidden=256)))
+        raise AssertionError(f"num_worst_tokens={limit}: no error")
+    with pytest.raises(RuntimeError, match="unusable"):
+        buffer.dispatch(x, num_tokens_per_rank=per_rank, is_token_in_rank=in_rank, num_tokens_per_expert=per_expert,
+                        topk_idx=topk_idx, config=config)
+    buffer.destroy()
     return message
 
 
-def test_num_worst_tokens_overflow_raises_everywhere(nccl_pool) -> None:
-    for message in nccl_pool(2).run(_worst_tokens_overflow):
-        assert "num_worst_tokens" in message
+@pytest.mark.parametrize("scenario", ["every_rank_too_small", "one_rank_too_small", "waiting_rank"])
+def test_num_worst_tokens_overflow_raises_everywhere(nccl_pool, scenario: str) -> None:
+    world = min(4, torch.cuda.device_count())
+    messages = nccl_pool(world).run(_worst_tokens_overflow, scenario, timeout=120)
+    overflowing = 0 if scenario == "every_rank_too_small" else world - 1
+    for message in messages:
+        assert message.startswith(f"num_worst_tokens: too small, rank {overflowing} receives"), message
+    # Other Buffers of the same ranks are unaffected.
+    nccl_pool(world).run(_compare_backends, asdict(Case("after_overflow", hidden=256, num_worst_extra=0)))
 
 
 def _absent_peer(rank: int, world: int) -> str:

@@ -4,6 +4,10 @@ Every rank allocates one NVLink buffer and shares it through a CUDA IPC handle e
 tensor all-gather; after that the kernels synchronize among themselves through that memory. Outputs
 are exactly those of the torch backend (docs/semantics.md). Kernels that wait on a peer give up after
 `MOE_EP_TIMEOUT_S` seconds (default 10): the call raises and the Buffer becomes unusable.
+
+A dispatch with `num_worst_tokens > 0` does not wait on the host: the kernels find a too small
+`num_worst_tokens` themselves, move nothing on any rank, and the `ValueError` comes from the next call
+on the Buffer that finds the report, or from `check_errors()`.
 """
 
 from __future__ import annotations
@@ -136,6 +140,12 @@ class CudaBackend(CommBackend):
             handle.recv_channel_prefix_matrix, handle.is_token_in_rank, handle.send_head,
             config.num_max_nvl_chunked_send_tokens, config.num_max_nvl_chunked_recv_tokens)
         return combined, combined_weights
+
+    def check_errors(self) -> None:
+        """Wait for this device's queued work, then raise what the kernels reported and no call raised
+        yet: a `num_worst_tokens` overflow (`ValueError`, once) or a failed kernel (`RuntimeError`)."""
+        torch.cuda.synchronize(self.device)
+        self._runtime.check_usable()
 
     def profile(self) -> Optional[dict]:
         """Per-phase timing of this rank's last dispatch and combine kernels, or None unless `moe_ep._C`
