@@ -338,6 +338,9 @@ __global__ void __launch_bounds__(kCombineThreads, 1) combine_kernel(CombineArgs
                                                                       int slot_bytes) {
     extern __shared__ __align__(1024) uint8_t smem[];
     __shared__ volatile int s_abort;
+    // The handle of a dispatch cancelled by an overflow (its error surfaces at the next call) has
+    // prefix matrices that do not match the expert outputs: read nothing.
+    if (ld_volatile(comm.peers.ctrl[comm.rank] + ctrl::kDispatchCancelled) != 0) return;
     const int channel = blockIdx.x, warp = threadIdx.x / 32, senders = comm.num_ranks - 1;
     if (threadIdx.x == 0) s_abort = 0;
     const StageRing ring = make_stage_ring(smem, num_stages, slot_bytes, threadIdx.x == 0);
