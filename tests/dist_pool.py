@@ -3,7 +3,7 @@
 A test sends a module-level function to every rank of a pool; each rank runs `fn(rank, world, *args)`
 inside an initialized process group and the results come back in rank order. Spawning once per
 world size keeps the suite fast on two cores; a pool whose ranks stop answering is torn down, so a
-hang becomes a test failure after `timeout` seconds.
+hang becomes a test failure after `timeout` seconds, and a worker that dies is reported within seconds.
 """
 
 from __future__ import annotations
@@ -11,8 +11,9 @@ from __future__ import annotations
 import datetime
 import os
 import queue
+import time
 import traceback
-from typing import Any, Callable
+from typing import Any, Callable, Optional
 
 import torch.distributed as dist
 import torch.multiprocessing as mp
@@ -21,6 +22,7 @@ from moe_ep.launch import free_port
 
 GLOO_TIMEOUT_S = 30
 FAILURE_GRACE_S = 15
+POLL_S = 5  # how often a waiting pool checks that its workers are alive
 
 
 def _worker(rank: int, world: int, port: int, backend: str, tasks: Any, results: Any) -> None:
@@ -63,21 +65,30 @@ class DistPool:
         self.broken = False
 
     def run(self, fn: Callable[..., Any], *args: Any, timeout: float = 240, **kwargs: Any) -> list[Any]:
-        """Run `fn(rank, world, *args, **kwargs)` on every rank; raise if any rank failed."""
+        """Run `fn(rank, world, *args, **kwargs)` on every rank; raise if any rank failed or died."""
         for task_queue in self.tasks:
             task_queue.put((fn, args, kwargs))
         outcomes: dict[int, tuple[bool, Any]] = {}
-        missing: list[int] = []
-        try:
-            while len(outcomes) < self.world:
-                # Once a rank has failed, its peers may wait on it inside a collective forever: give
-                # them a short grace, then report the failure rather than a hang.
-                failed = any(not ok for ok, _ in outcomes.values())
-                rank, ok, value = self.results.get(timeout=min(timeout, FAILURE_GRACE_S) if failed else timeout)
+        deadline = time.monotonic() + timeout
+        failed_at: Optional[float] = None  # once a rank has failed or died, its peers get a short grace
+        while len(outcomes) < self.world:
+            now = time.monotonic()
+            limit = deadline if failed_at is None else min(deadline, failed_at + FAILURE_GRACE_S)
+            if now >= limit:
+                break
+            try:
+                rank, ok, value = self.results.get(timeout=min(POLL_S, limit - now))
                 outcomes[rank] = (ok, value)
-        except queue.Empty:
-            self.broken = True
-            missing = sorted(set(range(self.world)) - set(outcomes))
+                if not ok and failed_at is None:
+                    failed_at = time.monotonic()
+            except queue.Empty:
+                # A worker that died (segfault, abort, the NCCL watchdog) never answers: say so at once.
+                for rank, proc in enumerate(self.procs):
+                    if rank not in outcomes and not proc.is_alive():
+                        outcomes[rank] = (False, f"worker process died (exit code {proc.exitcode})")
+                        failed_at = failed_at or time.monotonic()
+        missing = sorted(set(range(self.world)) - set(outcomes))
+        self.broken = bool(missing) or any(not proc.is_alive() for proc in self.procs)
         failures = [f"--- rank {r} ---\n{v}" for r, (ok, v) in sorted(outcomes.items()) if not ok]
         if missing:
             failures.append(f"ranks {missing} did not answer within {timeout} s (hang)" if not failures

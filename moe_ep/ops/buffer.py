@@ -144,8 +144,8 @@ class Buffer:
     def check_errors(self) -> None:
         """Wait for this rank's queued CUDA work, then raise what the CUDA backend's kernels reported and
         no call raised yet: the `ValueError` of a dispatch whose `num_worst_tokens` was too small (found
-        without a host wait, see docs/semantics.md) or the `RuntimeError` of a failed kernel. The torch
-        backend raises in the call itself."""
+        without a host wait, see docs/semantics.md) or the `RuntimeError` of a failed kernel, normal or
+        low-latency. The torch backend raises in the call itself."""
         from .backends.cuda_backend import CudaBackend
 
         if isinstance(self._cuda, CudaBackend):

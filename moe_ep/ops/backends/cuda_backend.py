@@ -143,9 +143,12 @@ class CudaBackend(CommBackend):
 
     def check_errors(self) -> None:
         """Wait for this device's queued work, then raise what the kernels reported and no call raised
-        yet: a `num_worst_tokens` overflow (`ValueError`, once) or a failed kernel (`RuntimeError`)."""
+        yet: a `num_worst_tokens` overflow (`ValueError`, once) or a failed kernel, normal or
+        low-latency (`RuntimeError`)."""
         torch.cuda.synchronize(self.device)
         self._runtime.check_usable()
+        if self._low_latency is not None:
+            self._low_latency.check_usable()
 
     def profile(self) -> Optional[dict]:
         """Per-phase timing of this rank's last dispatch and combine kernels, or None unless `moe_ep._C`

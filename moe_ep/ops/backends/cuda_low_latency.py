@@ -118,6 +118,11 @@ class LowLatencyRuntime:
         self._in_flight: list[_ReceiveHook] = []  # pending receives, oldest first
         self._sizes: Optional[tuple[int, int, int]] = None
 
+    def check_usable(self) -> None:
+        """Raise the `RuntimeError` of a kernel that gave up waiting for a peer (the runtime is unusable
+        after that); a receive phase only reports at the next call otherwise."""
+        self._runtime.check_usable()
+
     def _complete(self, through: Optional[_ReceiveHook] = None, keep: int = 0) -> None:
         """Launch pending receives oldest first: up to and including `through` if given, else until
         at most `keep` remain."""
@@ -131,7 +136,7 @@ class LowLatencyRuntime:
     def _run(self, sizes: tuple[int, int, int], launch: Callable[[int], None],
              return_recv_hook: bool) -> Optional[RecvHook]:
         """Launch one operation: both phases, or the send phase and a hook for the receive phase."""
-        self._runtime.check_usable()
+        self.check_usable()
         if sizes != self._sizes:  # new sizes clean the buffer: nothing may be in flight
             self._complete()
             self._sizes = sizes
@@ -214,7 +219,7 @@ class LowLatencyRuntime:
 
     def clean_low_latency_buffer(self, num_max_dispatch_tokens_per_rank: int, hidden: int, num_experts: int) -> None:
         """Zero the symmetric buffer on every rank (collective, on the current stream)."""
-        self._runtime.check_usable()
+        self.check_usable()
         self._complete()
         self._runtime.clean()
 

@@ -1,0 +1,33 @@
+"""The test process pool itself: a worker that dies is reported at once, not after the hang timeout."""
+
+from __future__ import annotations
+
+import os
+import time
+
+import pytest
+
+from dist_pool import FAILURE_GRACE_S, POLL_S, DistPool
+
+
+def _rank_one_dies(rank: int, world: int) -> int:
+    if rank == 1:
+        os._exit(3)  # no exception, no answer: what a segfault or a watchdog abort looks like
+    return rank
+
+
+def _identity(rank: int, world: int) -> int:
+    return rank
+
+
+def test_dead_worker_is_reported_with_its_exit_code() -> None:
+    pool = DistPool(2)
+    try:
+        assert pool.run(_identity) == [0, 1]
+        started = time.monotonic()
+        with pytest.raises(AssertionError, match=r"rank 1 ---\nworker process died \(exit code 3\)"):
+            pool.run(_rank_one_dies, timeout=120)
+        assert time.monotonic() - started < 2 * POLL_S + FAILURE_GRACE_S
+        assert pool.broken
+    finally:
+        pool.close()
