@@ -12,6 +12,7 @@
 # Benchmarks run with MOE_EP_CHECK_VALUES=0 (no front-end value checks, as in DeepEP). At most 8 files come
 # back from $OUT, so all benchmark logs go to one bench.log (next to gpus.txt, build.log, pytest.log and
 # examples.log); JSON results and other files go to files.tgz.
+# EP=8 runs the three multi-GPU benchmarks at 8 ranks (default 4); the tests pick their world sizes from the GPUs.
 # Profiling build (per-phase kernel breakdown, tables in $OUT/bench.log, JSON key "profile"): MOE_EP_PROFILE=1 bash scripts/gpu_check.sh build,bench --profile --quick
 set -uo pipefail
 export NCCL_NVLS_ENABLE=0 NVSHMEM_DISABLE_NVLS=1 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 PYTHONUNBUFFERED=1
@@ -22,6 +23,7 @@ mkdir -p "$OUT" "$FILES"
 PARTS=${1:-build,test,bench,ll,layer,fp8gemm}
 shift || true
 PY=${PYTHON:-python3}
+EP=${EP:-4}
 # MOE_EP_BUILD_LOW_LATENCY=0 leaves the low-latency part out of the build (setup.py).
 has() { [[ ",$PARTS," == *",$1,"* ]]; }
 summary=()
@@ -71,9 +73,9 @@ run_bench() {
     tail -12 "$OUT/bench.log"
 }
 
-has bench && run_bench intranode "${BENCH_TIMEOUT:-300}" bench_intranode.py bench_intranode.json "$@"
-has ll && run_bench low-latency "${LL_TIMEOUT:-120}" bench_low_latency.py bench_low_latency.json
-has layer && run_bench "MoE layer" "${LAYER_TIMEOUT:-200}" bench_moe_layer.py bench_moe_layer.json
+has bench && run_bench intranode "${BENCH_TIMEOUT:-300}" bench_intranode.py bench_intranode.json --worlds "$EP" "$@"
+has ll && run_bench low-latency "${LL_TIMEOUT:-120}" bench_low_latency.py bench_low_latency.json --world "$EP"
+has layer && run_bench "MoE layer" "${LAYER_TIMEOUT:-200}" bench_moe_layer.py bench_moe_layer.json --world "$EP"
 has fp8gemm && run_bench "FP8 grouped GEMM" "${FP8GEMM_TIMEOUT:-150}" bench_fp8_grouped_gemm.py \
     bench_fp8_grouped_gemm.json
 
