@@ -158,7 +158,8 @@ MOE_EP_DEVICE void send_rows(const CombineArgs& a, const StageRing& ring, int fi
                 bulk_commit();
                 MOE_EP_PROF(t_prof = timing.add(prof::kCopy, t_prof);)
                 const int done = i + 1 - kPublishLag;  // rows complete once at most kPublishLag stores are pending
-                if (done - published >= a.publish_every) {
+                // The first row is published at once: the owner's reducers wait for it before any work.
+                if (done - published >= (published == 0 ? 1 : a.publish_every)) {
                     bulk_wait<kPublishLag>();
                     MOE_EP_PROF(t_prof = timing.add(prof::kCopyWait, t_prof);)
                     publish_tail(tail_ptr, done);
@@ -190,7 +191,7 @@ MOE_EP_DEVICE int4 load_row_unit(const uint8_t* row, int unit, bool in_ring) {
 }
 
 // Reducer warps [first_warp, kCombineWarps) of the block: tokens of the channel round robin, heads
-// published after every chunk of 2 tokens per warp. kRanks bounds the world size: with at most 4 ranks
+// published after every chunk of 8 tokens per warp. kRanks bounds the world size: with at most 4 ranks
 // each lane keeps 3 16-byte units of every contribution in flight instead of 2 (the most that fit in
 // registers without spilling).
 template <typename T, int kRanks>
@@ -220,7 +221,9 @@ MOE_EP_DEVICE void reduce_channel(const CombineArgs& a, int channel, int first_w
     const int units = a.row_bytes / 16;
 
     // A chunk never needs more ring positions than a ring holds: its heads are only published after it.
-    const int chunk_tokens = min(2 * num_warps, a.ring_slots);
+    // Eight tokens per warp between the reducers' barriers: a barrier waits for the warp whose token
+    // arrived last, so fewer barriers leave less waiting.
+    const int chunk_tokens = min(8 * num_warps, a.ring_slots);
     for (int chunk = begin, index = 0; chunk < end; chunk += chunk_tokens, ++index) {
         const int parity = index & 1;
         for (int t = chunk + warp; t < min(chunk + chunk_tokens, end); t += num_warps) {
