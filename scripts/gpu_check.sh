@@ -2,7 +2,7 @@
 # One device call: build moe_ep._C, run tests/gpu, run the benchmarks; logs and JSON under $OUT, a
 # short table printed last.
 #   bash scripts/gpu_check.sh [parts] [extra intranode-benchmark args...]
-#   parts: comma list of build,test,bench,ll,layer,fp8gemm,examples (default: all of them);
+#   parts: comma list of build,test,bench,ll,layer,fp8gemm,examples,decodediag (default: the first six);
 #     test: every tests/gpu file on its own (FILE_TIMEOUT seconds each, one log), so a hang in one
 #     file costs only its own time; TESTS narrows the files, PYTEST_ARGS adds pytest options;
 #     bench: the intranode benchmark (BENCH_TIMEOUT); ll: the low-latency benchmark; layer: the MoE
@@ -12,6 +12,10 @@
 # Benchmarks run with MOE_EP_CHECK_VALUES=0 (no front-end value checks, as in DeepEP). At most 8 files come
 # back from $OUT, so all benchmark logs go to one bench.log (next to gpus.txt, build.log, pytest.log and
 # examples.log); JSON results and other files go to files.tgz.
+#     decodediag: one low-latency decode test (DIAG_TEST, default the 4-rank BF16 case) with
+#     MOE_EP_TIMEOUT_S=DIAG_TIMEOUT_S (default 5); if it still runs after DIAG_SLEEP seconds (default
+#     100), GPU use is recorded and every process of it gets SIGABRT, so that faulthandler prints its
+#     Python stacks into decode_diag.log.
 # EP=8 runs the three multi-GPU benchmarks at 8 ranks (default 4); the tests pick their world sizes from the GPUs.
 # Profiling build (per-phase kernel breakdown, tables in $OUT/bench.log, JSON key "profile"): MOE_EP_PROFILE=1 bash scripts/gpu_check.sh build,bench --profile --quick
 set -uo pipefail
@@ -78,6 +82,27 @@ has ll && run_bench low-latency "${LL_TIMEOUT:-120}" bench_low_latency.py bench_
 has layer && run_bench "MoE layer" "${LAYER_TIMEOUT:-200}" bench_moe_layer.py bench_moe_layer.json --world "$EP"
 has fp8gemm && run_bench "FP8 grouped GEMM" "${FP8GEMM_TIMEOUT:-150}" bench_fp8_grouped_gemm.py \
     bench_fp8_grouped_gemm.json
+
+if has decodediag; then
+    test_id=${DIAG_TEST:-tests/gpu/test_moe_layer_gpu.py::test_low_latency_decode_matches_forward_on_gpu[decode_bf16-4]}
+    start=$(date +%s)
+    PYTHONFAULTHANDLER=1 NCCL_DEBUG=WARN NVSHMEM_DEBUG=WARN MOE_EP_TIMEOUT_S=${DIAG_TIMEOUT_S:-5} \
+        setsid $PY -m pytest "$test_id" -s -v -p no:cacheprovider > "$OUT/decode_diag.log" 2>&1 &
+    diag_pid=$!
+    while kill -0 "$diag_pid" 2>/dev/null && (( $(date +%s) - start < ${DIAG_SLEEP:-100} )); do sleep 1; done
+    if kill -0 "$diag_pid" 2>/dev/null; then
+        echo "================ still running after ${DIAG_SLEEP:-100} s: GPU use, then SIGABRT to every process" \
+            >> "$OUT/decode_diag.log"
+        nvidia-smi --query-gpu=index,utilization.gpu,memory.used --format=csv >> "$OUT/decode_diag.log" 2>&1
+        ps -o pid,stat,etime,args -g "$diag_pid" >> "$OUT/decode_diag.log" 2>&1
+        kill -ABRT -- -"$diag_pid" 2>/dev/null
+        sleep 5
+        kill -KILL -- -"$diag_pid" 2>/dev/null
+    fi
+    wait "$diag_pid"
+    summary+=("decodediag: rc=$? in $(( $(date +%s) - start )) s: $(grep -a -E "(passed|failed|error)" \
+        "$OUT/decode_diag.log" | tail -1)")
+fi
 
 # run_example LABEL COMMAND...: one example run, its output appended to examples.log.
 run_example() {
