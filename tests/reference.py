@@ -8,7 +8,7 @@ Inputs are generated from a seed, so every rank can rebuild every other rank's i
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Optional
+from typing import Callable, Optional
 
 import torch
 
@@ -207,16 +207,26 @@ def low_latency_expert_output(rows: torch.Tensor, global_expert: int) -> torch.T
     return (rows.float() * (1 + global_expert / 16) - 0.25).to(torch.bfloat16)
 
 
-def low_latency_combine_reference(inputs: list[RankInputs], me: int, seen_by_experts: torch.Tensor) -> torch.Tensor:
-    """`sum_j w[t, j] * expert_j(x[t])` in slot order, float32; `seen_by_experts` is `x` as the experts
-    received it (after the FP8 round trip, if any)."""
+def low_latency_combine_reference(inputs: list[RankInputs], me: int, num_experts: int,
+                                  expert_rows: Callable[[int, int, int], torch.Tensor]) -> torch.Tensor:
+    """Low-latency combine of rank `me`'s tokens, written out: for every rank `r` hosting some of token
+    `t`'s slots, `P = bf16(sum over those slots j in slot order of w[t, j] * y_j)` in float32; then
+    `bf16(sum over r ascending of float(P))`. `expert_rows(t, j, e)` is `y_j`, the bf16 row expert `e`
+    returned for slot `j` of token `t`."""
+    world = len(inputs)
+    per_rank = num_experts // world
     mine = inputs[me]
     out = torch.zeros(mine.x.shape, dtype=torch.float32)
     for t in range(mine.x.size(0)):
+        experts = mine.topk_idx[t].tolist()
         acc = torch.zeros(mine.x.size(1))
-        for j, e in enumerate(mine.topk_idx[t].tolist()):
-            if e >= 0:
-                y = low_latency_expert_output(seen_by_experts[t:t + 1], e)[0].float()
-                acc = acc + mine.topk_weights[t, j] * y
+        for r in range(world):
+            slots = [(j, e) for j, e in enumerate(experts) if e >= 0 and owner(e, per_rank) == r]
+            if not slots:
+                continue
+            partial = torch.zeros(mine.x.size(1))
+            for j, e in slots:
+                partial = partial + mine.topk_weights[t, j] * expert_rows(t, j, e).float()
+            acc = acc + partial.to(torch.bfloat16).float()
         out[t] = acc
     return out.to(torch.bfloat16)

@@ -1,4 +1,5 @@
-"""Low-latency Buffer (torch backend over gloo) against the dense reference, at world sizes 1-4."""
+"""Low-latency Buffer (torch backend over gloo) against the dense reference, at world sizes 1-4, and the
+combine's per-rank partial sums against a written-out reference on random expert outputs."""
 
 from __future__ import annotations
 
@@ -111,7 +112,9 @@ def _low_latency_round_trip(rank: int, world: int, case: dict, device: str = "cp
         assert combined.data_ptr() == out.data_ptr()
     x = inputs[rank].x
     seen = fp8.per_token_cast_back(*fp8.per_token_cast_to_fp8(x, c.round_scale, c.use_ue8m0)) if c.use_fp8 else x
-    assert torch.equal(combined.cpu(), low_latency_combine_reference(inputs, rank, seen))
+    want = low_latency_combine_reference(inputs, rank, num_experts,
+                                         lambda t, j, e: low_latency_expert_output(seen[t:t + 1], e)[0])
+    assert torch.equal(combined.cpu(), want)
     return sum(ref.recv_count)
 
 
@@ -127,3 +130,56 @@ def test_eight_ranks(dist_pool) -> None:
     case = Case("eight_ranks", tokens=(5, 9, 0, 3, 7, 2, 8, 4), max_tokens=10, experts_per_rank=3, topk=5,
                 use_fp8=True, round_scale=True, use_ue8m0=True, hidden=512, hook=True)
     assert sum(dist_pool(8).run(_low_latency_round_trip, asdict(case))) > 0
+
+
+def _random_expert_outputs(seed: int, rank: int, shape: tuple[int, ...]) -> torch.Tensor:
+    """Expert outputs of `rank` that are no function of the received rows (every rank can rebuild them)."""
+    gen = torch.Generator().manual_seed(seed * 1009 + rank)
+    return (torch.randn(shape, generator=gen) * 8).to(torch.bfloat16)
+
+
+def _combine_partial_sums(rank: int, world: int, hook: bool) -> tuple[int, bool]:
+    """Random expert outputs, masked slots and several of a token's experts on one rank: the combine must
+    equal the per-rank partial-sum formula bit for bit. Returns the number of (token, rank) pairs with
+    several slots and whether the result differs from one float32 sum over all slots (it should, at
+    some element, when tokens reach several ranks: the formula is not the per-slot sum)."""
+    seed, max_tokens, hidden, per_rank, topk = 5, 24, 256, 3, 6
+    num_experts = per_rank * world
+    inputs = make_inputs(seed + world, world, tokens_for((20, 9, 24, 14), world), hidden, num_experts, topk)
+    mine = inputs[rank]
+    hint = moe_ep.Buffer.get_low_latency_rdma_size_hint(max_tokens, hidden, world, num_experts)
+    buffer = moe_ep.Buffer(dist.group.WORLD, num_rdma_bytes=hint, low_latency_mode=True, backend="torch")
+    _, _, handle, _, _ = buffer.low_latency_dispatch(mine.x, mine.topk_idx, max_tokens, num_experts)
+    shape = (per_rank, world * max_tokens, hidden)
+    combined, _, recv_hook = buffer.low_latency_combine(_random_expert_outputs(seed, rank, shape), mine.topk_idx,
+                                                        mine.topk_weights, handle, return_recv_hook=hook)
+    if recv_hook is not None:
+        recv_hook()
+
+    packed = [low_latency_reference(inputs, r, num_experts).rows for r in range(world)]
+    outputs = [_random_expert_outputs(seed, r, shape) for r in range(world)]
+
+    def expert_rows(t: int, j: int, e: int) -> torch.Tensor:
+        r, local = divmod(e, per_rank)
+        return outputs[r][local, packed[r][local].index((rank, t))]
+
+    want = low_latency_combine_reference(inputs, rank, num_experts, expert_rows)
+    assert torch.equal(combined, want)
+
+    per_slot = torch.zeros(mine.x.shape)
+    shared = 0
+    for t, experts in enumerate(mine.topk_idx.tolist()):
+        for j, e in enumerate(experts):
+            if e >= 0:
+                per_slot[t] = per_slot[t] + mine.topk_weights[t, j] * expert_rows(t, j, e).float()
+        owners = [e // per_rank for e in experts if e >= 0]
+        shared += sum(owners.count(r) > 1 for r in set(owners))
+    return shared, not torch.equal(per_slot.to(torch.bfloat16), want)
+
+
+@pytest.mark.parametrize("world,hook", [(1, False), (2, True), (3, False), (4, True)])
+def test_low_latency_combine_partial_sums(dist_pool, world: int, hook: bool) -> None:
+    results = dist_pool(world).run(_combine_partial_sums, hook)
+    assert sum(shared for shared, _ in results) > 0  # the case exercises several experts per rank
+    if world > 1:
+        assert any(differs for _, differs in results)

@@ -439,7 +439,17 @@ class Buffer:
         out: Optional[torch.Tensor] = None,
         combine_wait_recv_cost_stats: Optional[torch.Tensor] = None,
     ) -> tuple[torch.Tensor, EventOverlap, Optional[Callable[[], None]]]:
-        """Return each expert output to its token and reduce with `topk_weights` (float32 sum in slot order).
+        """Return the expert outputs to their tokens, reduced with `topk_weights` per expert rank first.
+
+        For token `t` and each rank `r` hosting at least one of its valid (non `-1`) slots, the partial sum
+        `P[r, t] = bf16(sum over those slots j in slot order of float32(w[t, j]) * float32(y_j))` is taken in
+        float32 with the multiply and the add rounded separately (`y_j`: the row expert `topk_idx[t, j]`
+        returned for `t`); then `combined_x[t] = bf16(sum over r in ascending order of float32(P[r, t]))`,
+        also in float32. Tokens with no valid slot get zeros. The rank holding the experts reduces before
+        sending, so one row per (token, rank) crosses the link instead of one per (token, expert); the
+        result differs from DeepEP's (one float32 sum over all slots) by at most the BF16 rounding of the
+        per-rank partial sums. `topk_idx` must route every token as the dispatch behind `handle` did.
+        Both backends compute exactly this (docs/semantics.md).
 
         Returns `(combined_x [T, H] bf16, event, hook)`.
         """

@@ -326,6 +326,8 @@ class TorchBackend(CommBackend):
         combined = out if out is not None else torch.empty(num_tokens, x.size(-1), dtype=x.dtype, device=x.device)
         pair_of_slot = torch.full((num_tokens, num_topk), -1, dtype=torch.int64, device=x.device)
         pair_of_slot[pairs.token, pairs.slot] = torch.arange(pairs.token.numel(), device=x.device)
+        rank_of_slot = topk_idx.div(num_local, rounding_mode="floor")
+        tokens = torch.arange(num_tokens, device=x.device)
 
         def receive() -> None:
             started = time.perf_counter_ns()
@@ -333,10 +335,18 @@ class TorchBackend(CommBackend):
             if combine_wait_recv_cost_stats is not None:
                 _add_wait_time(combine_wait_recv_cost_stats, recv_counts, time.perf_counter_ns() - started)
             y = expert_out.view(x.dtype).view(-1, x.size(-1)).float()
-            acc = torch.zeros(num_tokens, x.size(-1), dtype=torch.float32, device=x.device)
+            # Partial sums per (expert rank, token) in slot order (float32, multiply and add rounded
+            # separately), rounded to BF16 as the rank holding the experts sends them; then the sum of the
+            # partials in rank order. A slot adds to one rank per token, so the indices never repeat.
+            partial = torch.zeros(self.num_ranks, num_tokens, x.size(-1), dtype=torch.float32, device=x.device)
             for slot in range(num_topk):
                 present = pair_of_slot[:, slot] >= 0
-                acc[present] += topk_weights[present, slot, None] * y[pair_of_slot[present, slot]]
+                at = (rank_of_slot[present, slot], tokens[present])
+                partial[at] += topk_weights[present, slot, None] * y[pair_of_slot[present, slot]]
+            partial = partial.to(torch.bfloat16)
+            acc = torch.zeros(num_tokens, x.size(-1), dtype=torch.float32, device=x.device)
+            for rank in range(self.num_ranks):
+                acc += partial[rank].float()
             combined.copy_(acc)
 
         if return_recv_hook:
