@@ -11,7 +11,10 @@
 // without a P2P mapping); receivers acquire the signal, then read. Receive phases run in send order
 // (the Python side keeps at most two operations in flight and completes them first in, first out);
 // when one ends, every rank learns it through its acknowledgement word, and a send phase first waits
-// until every rank has received the operation that used the same half before.
+// until every rank has received the operation that used the same half before. A combine's send phase
+// also waits for its peers' send phase of the same operation (the top-k weights the experts' ranks
+// need to reduce a token's rows before sending them back); every rank runs the send phases in the same
+// order, and each phase makes all of its stores before its first wait, so this never forms a cycle.
 #pragma once
 
 #include <cstdint>
@@ -38,21 +41,43 @@ enum class Mode : int { kBF16 = 0, kFP8 = 1, kFP8UE8M0 = 2 };
 inline int64_t ack_bytes(int64_t num_ranks) { return (num_ranks * 8 + 127) / 128 * 128; }
 
 // Byte offsets inside the symmetric buffer for one (max tokens M, hidden H, ranks R, experts E):
-// `acks` first (see ack_bytes). Per half: `counts` [E_local][R] u64 dispatch counts, `flags` [E * M]
-// u64 signals (dispatch: one per message, [E_local][R][M], carrying the token; combine: one per row)
-// and `data` [E * M] rows of 2H bytes (dispatch: the first R * M, [source rank][token], each token sent
-// once per rank; combine: [E][M] by global expert and source token). Once: `send`, E * M rows of 2H
-// bytes: the zero-copy combine buffer and the staging area of rows put through NVSHMEM.
+// `acks` first (see ack_bytes). Per half:
+//  * `counts` [E_local][R] u64: dispatch counts;
+//  * `flags` [E * M] u64 signals: dispatch: one per message, [E_local][R][M], carrying the token;
+//    combine: the first R * M, [expert rank][token], one per partial row received;
+//  * `data` [E * M] rows of 2H bytes: dispatch: the first R * M, [source rank][token], each token sent
+//    once per rank; combine: the first R * M, [expert rank][token], the partial sums of this rank's
+//    tokens over each rank's experts;
+//  * `meta_flags` [R][M] u64 and `meta` [R][M][kMaxTopk] 8-byte entries (int32 expert id, float
+//    weight): combine, the top-k ids and weights of token t of source s, sent to every rank that
+//    hosts one of its experts.
+// Once:
+//  * `send`, E * M rows of 2H bytes: the zero-copy combine buffer and the dispatch's staging area for
+//    rows put through NVSHMEM;
+//  * `rowmap` [R][M][E_local] u64: combine, the packed row of (source, token) in each local expert,
+//    tagged with the operation (written and read by this rank only, inside one send phase);
+//  * `stage` R * M rows of 2H bytes then `stage_meta` [M][kMaxTopk] entries: the combine's staging
+//    area for partial rows and metadata put through NVSHMEM.
 // moe_ep/ops/config.py `low_latency_buffer_bytes` mirrors `total`.
 struct Layout {
     int64_t acks;
     int64_t counts[2];
     int64_t flags[2];
     int64_t data[2];
+    int64_t meta_flags[2];
+    int64_t meta[2];
     int64_t send;
+    int64_t rowmap;
+    int64_t stage;
+    int64_t stage_meta;
     int64_t total;
     int64_t row_bytes;  // 2H: stride of data, send and dispatch message rows
 };
+
+// Bytes of one combine metadata entry per top-k slot (int32 expert id, float weight) and of one token's
+// metadata (kMaxTopk entries, whatever k is: the layout does not depend on k).
+constexpr int kMetaEntryBytes = 8;
+constexpr int kMetaBytes = kMaxTopk * kMetaEntryBytes;
 
 Layout make_layout(int64_t max_tokens, int64_t hidden, int64_t num_ranks, int64_t num_experts);
 
@@ -101,7 +126,7 @@ struct CombineArgs {
     const int64_t* topk_idx;        // [T, k]
     const float* topk_weights;      // [T, k]
     void* out;                      // [T, H] bf16
-    int64_t* wait_stats;            // [R] or null
+    int64_t* wait_stats;            // [R] nanoseconds waited per rank (metadata and partial rows), or null
     int num_tokens;
     int num_topk;
     int hidden;

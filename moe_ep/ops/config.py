@@ -90,11 +90,18 @@ def default_combine_config(num_ranks: int, num_sms: int) -> Config:
 
 def low_latency_buffer_bytes(num_max_dispatch_tokens_per_rank: int, hidden: int, num_ranks: int, num_experts: int) -> int:
     """Symmetric buffer bytes for low-latency mode (the layout of csrc/kernels/low_latency.cu
-    `make_layout`): a u64 acknowledgement word per rank, two (even/odd) halves, each with a u64 count
-    per (local expert, source rank), a u64 signal and a 2*hidden-byte row per (expert, token) slot,
-    then one send region of as many rows (the zero-copy combine buffer). A dispatch row holds BF16 or
-    FP8 data with its scales; combine rows are BF16."""
-    rows = num_experts * num_max_dispatch_tokens_per_rank
+    `make_layout`): a u64 acknowledgement word per rank; two (even/odd) halves, each with a u64 count
+    per (local expert, source rank), a u64 signal and a 2*hidden-byte row per (expert, token) slot, and
+    the combine's metadata (a u64 flag and `NUM_MAX_TOPK` 8-byte (id, weight) entries per (source rank,
+    token)); then one send region of as many rows as a half (the zero-copy combine buffer), the combine's
+    row map (a u64 per (expert, token)) and its staging area (a row per (source rank, token), metadata
+    per token). A dispatch row holds BF16 or FP8 data with its scales; combine rows are BF16."""
+    max_tokens = num_max_dispatch_tokens_per_rank
+    rows = num_experts * max_tokens
+    tokens = num_ranks * max_tokens
     row_bytes = 2 * hidden
-    half = _align(8 * num_experts) + _align(8 * rows) + _align(rows * row_bytes)
-    return _align(8 * num_ranks) + 2 * half + _align(rows * row_bytes)
+    meta_bytes = NUM_MAX_TOPK * 8
+    half = (_align(8 * num_experts) + _align(8 * rows) + _align(rows * row_bytes) + _align(8 * tokens)
+            + _align(tokens * meta_bytes))
+    once = _align(rows * row_bytes) + _align(8 * rows) + _align(tokens * row_bytes) + _align(max_tokens * meta_bytes)
+    return _align(8 * num_ranks) + 2 * half + once

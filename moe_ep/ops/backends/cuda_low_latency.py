@@ -18,6 +18,9 @@ Protocol rules the kernels rely on (see csrc/kernels/low_latency.cuh):
   the current stream wait for that). A hook runs at most once.
 * Every rank issues the same sequence of low-latency operations with the same sizes. Changing the
   sizes (tokens, hidden, experts) completes every pending receive, then cleans the buffer collectively.
+* A combine's send phase waits for its peers' send phase of the same operation (each rank sends the
+  top-k ids and weights of its tokens to the ranks that reduce them), which the same sequence on every
+  rank provides; its `topk_idx` must route the tokens as the dispatch behind the handle did.
 A kernel that waits more than `MOE_EP_TIMEOUT_S` seconds (default 10) for a peer reports an error;
 the next call raises and the runtime stays unusable.
 """
