@@ -9,8 +9,13 @@ slots), FP8 dispatch and BF16 combine, with `num_max_dispatch_tokens_per_rank = 
     barrier (median, slowest rank), so no host launch overhead is included;
   * bytes: one message per (token, expert) pair, `msg_bytes` each (FP8 dispatch: H + 4 H / 128;
     combine: 2 H); `*_gbps` divide the bytes a rank sends to other ranks by the kernel time. The
-    dispatch sends one row per (token, destination rank) (`remote_rows_max`); `dispatch_remote_gbps`
-    counts messages (bytes delivered), `hook_*_send_gbps` the bytes that cross NVLink in the send phase;
+    dispatch sends one row per (token, destination rank) (`remote_rows_max`); the combine sends one
+    partial row per (token, expert rank) back to the token's rank (`combine_remote_rows_max`: the
+    (source rank, token) pairs from other ranks this rank received, plus `combine_meta_bytes` of top-k
+    ids and weights per (token, other rank)). `dispatch_remote_gbps` / `combine_remote_gbps` count
+    messages (bytes delivered, what DeepEP moves), `combine_remote_rows_gbps` and `hook_*_send_gbps`
+    the rows that cross NVLink (`hook_combine_send_messages_gbps`: the combine send counted in messages,
+    comparable with results before session 4);
   * NCCL all_to_all_single moving the same messages between the same ranks (uint8 rows), timed like
     the pair above, in the same run.
 
@@ -89,6 +94,16 @@ def _remote_rows(topk_idx: torch.Tensor, num_experts: int) -> int:
     return sum(int((dest == r).any(dim=1).sum()) for r in range(world) if r != rank)
 
 
+def _combine_remote_rows(topk_idx: torch.Tensor, num_experts: int) -> int:
+    """(source rank, token) pairs of other ranks with at least one expert on this rank: the partial rows
+    this rank's combine sends over NVLink."""
+    world, rank = dist.get_world_size(), dist.get_rank()
+    every = [torch.empty_like(topk_idx) for _ in range(world)]
+    dist.all_gather(every, topk_idx)
+    hosts = [((idx >= 0) & (idx // (num_experts // world) == rank)).any(dim=1) for idx in every]
+    return sum(int(h.sum()) for s, h in enumerate(hosts) if s != rank)
+
+
 def _measure(runtime: LowLatencyRuntime, tokens: int, args: argparse.Namespace) -> dict:
     world, rank = dist.get_world_size(), dist.get_rank()
     hidden, num_experts, topk = args.hidden, args.experts, args.topk
@@ -127,6 +142,8 @@ def _measure(runtime: LowLatencyRuntime, tokens: int, args: argparse.Namespace) 
     dispatch_msg, combine_msg = hidden + hidden // 128 * 4, 2 * hidden
     remote = slowest_rank(_remote_messages(topk_idx, num_experts))
     remote_rows = slowest_rank(_remote_rows(topk_idx, num_experts))
+    combine_rows = slowest_rank(_combine_remote_rows(topk_idx, num_experts))
+    meta_bytes = remote_rows * (8 * topk + 8)  # the source's (id, weight) entries and flag per (token, rank)
     nccl_dispatch_us = median_time_us(_nccl_exchange(topk_idx, num_experts, dispatch_msg), args.warmup, args.iters)
     nccl_combine_us = median_time_us(_nccl_exchange(topk_idx, num_experts, combine_msg), args.warmup, args.iters)
     torch.cuda.synchronize()
@@ -134,16 +151,20 @@ def _measure(runtime: LowLatencyRuntime, tokens: int, args: argparse.Namespace) 
     del graph, first
     return {
         "tokens_per_rank": tokens, "messages_per_rank": tokens * topk, "remote_messages_max": int(remote),
-        "remote_rows_max": int(remote_rows),
+        "remote_rows_max": int(remote_rows), "combine_remote_rows_max": int(combine_rows),
         "dispatch_msg_bytes": dispatch_msg, "combine_msg_bytes": combine_msg,
+        "combine_remote_message_bytes": int(remote * combine_msg), "combine_remote_row_bytes": int(combine_rows * combine_msg),
+        "combine_meta_bytes": int(meta_bytes),
         "dispatch_us": dispatch_us, "combine_us": combine_us, "dispatch_plus_combine_kernels_us": dispatch_us + combine_us,
         "dispatch_combine_pair_us": pair_us,
         "hook_dispatch_send_us": send_us, "hook_dispatch_recv_us": recv_us,
         "hook_combine_send_us": combine_send_us, "hook_combine_recv_us": combine_recv_us,
         "dispatch_remote_gbps": remote * dispatch_msg / dispatch_us / 1e3,
         "combine_remote_gbps": remote * combine_msg / combine_us / 1e3,
+        "combine_remote_rows_gbps": combine_rows * combine_msg / combine_us / 1e3,
         "hook_dispatch_send_gbps": remote_rows * dispatch_msg / send_us / 1e3,
-        "hook_combine_send_gbps": remote * combine_msg / combine_send_us / 1e3,
+        "hook_combine_send_gbps": (combine_rows * combine_msg + meta_bytes) / combine_send_us / 1e3,
+        "hook_combine_send_messages_gbps": remote * combine_msg / combine_send_us / 1e3,
         "nccl_dispatch_bytes_us": nccl_dispatch_us, "nccl_combine_bytes_us": nccl_combine_us,
     }
 
