@@ -85,7 +85,9 @@ NvshmemRuntime::NvshmemRuntime(int rank, int num_ranks, int64_t num_bytes, doubl
     void* flags_dev = nullptr;
     cuda_check(cudaHostGetDevicePointer(&flags_dev, flags, 0), "cudaHostGetDevicePointer");
     cuda_check(cudaDeviceSynchronize(), "cudaDeviceSynchronize");
-    // No peer may write into this buffer before it is zeroed.
+    // No peer may write into this buffer before it is zeroed. NVSHMEM's barrier, not ours: the zeroing
+    // also clears our barrier words. The allocation above is collective in NVSHMEM already (no timeout);
+    // the Python side reaches it only after a process-group barrier, which has the group's timeout.
     nvshmem_barrier_all();
 
     ctx_.local = base_;
@@ -109,8 +111,20 @@ NvshmemRuntime::~NvshmemRuntime() {
 
 void NvshmemRuntime::destroy() {
     if (base_ == nullptr) return;
+    // No peer may still write into this buffer. A timed barrier first: nvshmem_free is collective and
+    // would wait forever for a rank that never destroys its Buffer.
     cuda_check(cudaDeviceSynchronize(), "cudaDeviceSynchronize");
-    nvshmem_barrier_all();  // no peer still writes into this buffer
+    // The last barrier of this buffer counts exactly: ranks that disagree on the number of cleans fail
+    // together instead of some of them entering nvshmem_free.
+    cuda_check(cudaMemset(&state_->barrier_failed, 0, sizeof(int)), "cudaMemset(state)");
+    cuda_check(kernels::ll::launch_barrier(ctx_, ++barrier_epoch_, true, nullptr), "low-latency barrier");
+    cuda_check(cudaDeviceSynchronize(), "cudaDeviceSynchronize");
+    kernels::ll::State state{};
+    cuda_check(cudaMemcpy(&state, state_, sizeof(state), cudaMemcpyDeviceToHost), "cudaMemcpy(state)");
+    if (state.barrier_failed)
+        throw std::runtime_error("low-latency mode: destroy gave up after " + std::to_string(timeout_s_) +
+                                 " s waiting for a peer rank to destroy its Buffer (or the ranks cleaned the "
+                                 "buffer a different number of times); the symmetric buffer is not freed");
     nvshmem_free(base_);
     cudaFree(peers_);
     cudaFree(state_);
@@ -153,11 +167,15 @@ kernels::ll::Layout NvshmemRuntime::prepare(int64_t max_tokens, int64_t hidden, 
 void NvshmemRuntime::clean(cudaStream_t stream) {
     check_usable();
     // The acknowledgement words keep counting across cleans, like the sequence numbers.
-    const int64_t acks = kernels::ll::ack_bytes(num_ranks_);
-    cuda_check(cudaMemsetAsync(base_ + acks, 0, num_bytes_ - acks, stream), "cudaMemsetAsync(symmetric buffer)");
+    const int64_t kept = kernels::ll::persistent_bytes(num_ranks_);
+    cuda_check(cudaMemsetAsync(base_ + kept, 0, num_bytes_ - kept, stream), "cudaMemsetAsync(symmetric buffer)");
     // Every rank must have zeroed its buffer before any rank sends into it again.
-    nvshmemx_barrier_all_on_stream(stream);
+    barrier(stream);
     cleaned_for_next_ = true;
+}
+
+void NvshmemRuntime::barrier(cudaStream_t stream) {
+    cuda_check(kernels::ll::launch_barrier(ctx_, ++barrier_epoch_, false, stream), "low-latency barrier");
 }
 
 }  // namespace moe_ep

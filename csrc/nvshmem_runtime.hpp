@@ -25,7 +25,8 @@ class NvshmemRuntime {
     NvshmemRuntime(const NvshmemRuntime&) = delete;
     NvshmemRuntime& operator=(const NvshmemRuntime&) = delete;
 
-    // Frees the symmetric buffer (collective). The runtime is unusable afterwards.
+    // Frees the symmetric buffer (collective, after a timed barrier: a rank that does not destroy its
+    // Buffer makes the others raise). The runtime is unusable afterwards.
     void destroy();
 
     // Throws if the buffer is destroyed or a kernel gave up waiting for a peer.
@@ -35,9 +36,12 @@ class NvshmemRuntime {
     // `layout`, for an operation about to be sent on `stream`: when the sizes differ from the previous
     // operation's, the buffer is first cleaned (signals of the old layout could alias the new one).
     kernels::ll::Layout prepare(int64_t max_tokens, int64_t hidden, int64_t num_experts, cudaStream_t stream);
-    // Zeroes the buffer (all but the acknowledgement words) on `stream`, then waits there for every
-    // rank to do the same. No operation may be in flight.
+    // Zeroes the buffer (all but the persistent words) on `stream`, then waits there for every rank to
+    // do the same (a timed barrier). No operation may be in flight.
     void clean(cudaStream_t stream);
+    // Queues a barrier of all ranks on `stream` that gives up after the timeout (the error surfaces
+    // through check_usable). Collective: every rank makes the same number of calls.
+    void barrier(cudaStream_t stream);
 
     const kernels::ll::Context& context() const { return ctx_; }
     uint8_t* send_region(const kernels::ll::Layout& layout) const { return base_ + layout.send; }
@@ -60,6 +64,7 @@ class NvshmemRuntime {
     bool all_peers_mapped_ = true;
     bool cleaned_for_next_ = true;  // the buffer is zero: the next layout needs no clean
     int64_t last_key_[3] = {-1, -1, -1};
+    uint64_t barrier_epoch_ = 0;  // barrier calls made (the value this rank signals)
 };
 
 }  // namespace moe_ep

@@ -313,6 +313,38 @@ MOE_EP_DEVICE void acknowledge(const Context& c, const Layout& L, uint64_t recei
     }
 }
 
+// One warp: lane r signals rank r, then lane r waits for rank r's signal (see launch_barrier). It runs
+// even when an earlier wait gave up (a Buffer that failed is still destroyed collectively), with its
+// own abort word; a timeout here also sets the state's.
+__global__ void barrier_kernel(const Context ctx, uint64_t epoch, bool exact) {
+    const int64_t offset = barrier_offset(ctx.comm.num_ranks);
+    const int lane = threadIdx.x;
+    // Writes of earlier kernels and memsets on the stream reach the peers before the signal.
+    __threadfence_system();
+    if (lane < ctx.comm.num_ranks) {
+        const int64_t mine = offset + static_cast<int64_t>(ctx.comm.rank) * 8;
+        if (ctx.peers[lane] != nullptr)
+            st_release_sys_u64(reinterpret_cast<uint64_t*>(ctx.peers[lane] + mine), epoch);
+        else
+            put_signal(reinterpret_cast<uint64_t*>(ctx.local + mine), epoch, lane);
+    }
+    volatile int gave_up = 0;
+    for (int r = lane; r < ctx.comm.num_ranks; r += 32) {
+        const uint64_t* signal = reinterpret_cast<const uint64_t*>(ctx.local + offset) + r;
+        const bool ok = wait_until(
+            [&] {
+                const uint64_t seen = ld_acquire_sys_u64(signal);
+                return exact ? seen == epoch : seen >= epoch;
+            },
+            ctx.comm, &gave_up, kErrBarrierTimeout);
+        if (!ok) {
+            ctx.state->abort = 1;
+            ctx.state->barrier_failed = 1;
+            break;
+        }
+    }
+}
+
 // Warps numbered across blocks first; `workers` warps per item when there are fewer items than warps.
 struct WarpSchedule {
     int warp, num_warps, lane;
@@ -921,7 +953,7 @@ Layout make_layout(int64_t max_tokens, int64_t hidden, int64_t num_ranks, int64_
     const int64_t rows = num_experts * max_tokens;  // the local experts of all ranks are the global experts
     const int64_t tokens = num_ranks * max_tokens;  // (source rank, token) pairs
     layout.acks = 0;
-    int64_t offset = ack_bytes(num_ranks);
+    int64_t offset = persistent_bytes(num_ranks);
     for (int half = 0; half < 2; ++half) {
         layout.counts[half] = offset;
         offset += align(num_experts * 8);
@@ -953,6 +985,11 @@ cudaError_t launch_dispatch(const DispatchArgs& args, const Context& ctx, const 
         case Mode::kFP8: return launch_dispatch_mode<Mode::kFP8>(args, ctx, layout, phases, stream);
         default: return launch_dispatch_mode<Mode::kFP8UE8M0>(args, ctx, layout, phases, stream);
     }
+}
+
+cudaError_t launch_barrier(const Context& ctx, uint64_t epoch, bool exact, cudaStream_t stream) {
+    barrier_kernel<<<1, 32, 0, stream>>>(ctx, epoch, exact);
+    return cudaGetLastError();
 }
 
 cudaError_t launch_combine(const CombineArgs& args, const Context& ctx, const Layout& layout, int phases,

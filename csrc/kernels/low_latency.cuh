@@ -36,12 +36,14 @@ enum Phase : int { kSendPhase = 1, kRecvPhase = 2 };
 // scales (float32 per 128 channels, or UE8M0 exponents packed four to an int32).
 enum class Mode : int { kBF16 = 0, kFP8 = 1, kFP8UE8M0 = 2 };
 
-// Bytes of the acknowledgement words at the start of the buffer: [R] u64, the number of operations
-// each rank has received. They survive cleans (the sequence numbers do too).
-inline int64_t ack_bytes(int64_t num_ranks) { return (num_ranks * 8 + 127) / 128 * 128; }
+// The words at the start of the buffer that survive cleans (the sequence numbers do too): [R] u64
+// acknowledgements, the number of operations each rank has received; then [R] u64 barrier signals,
+// the number of `launch_barrier` calls each rank has made.
+constexpr int64_t barrier_offset(int64_t num_ranks) { return num_ranks * 8; }
+constexpr int64_t persistent_bytes(int64_t num_ranks) { return (num_ranks * 16 + 127) / 128 * 128; }
 
 // Byte offsets inside the symmetric buffer for one (max tokens M, hidden H, ranks R, experts E):
-// `acks` first (see ack_bytes). Per half:
+// `acks` and the barrier signals first (see persistent_bytes). Per half:
 //  * `counts` [E_local][R] u64: dispatch counts;
 //  * `flags` [E * M] u64 signals: dispatch: one per message, [E_local][R][M], carrying the token;
 //    combine: the first R * M, [expert rank][token], one per partial row received;
@@ -88,7 +90,7 @@ struct State {
     uint32_t send_done;    // blocks that finished the current send phase
     uint32_t recv_done;    // blocks that finished the current receive phase
     int abort;             // set on a timeout: every later wait gives up at once
-    int pad;
+    int barrier_failed;    // set when a launch_barrier timed out
 };
 
 // Where this rank's kernels find the buffers of every rank.
@@ -133,6 +135,13 @@ struct CombineArgs {
     int max_tokens;
     int num_experts;
 };
+
+// A barrier of all ranks on `stream` with a timeout: signals every rank that this rank made its
+// `epoch`-th call, then waits until every rank has made it (`exact`: exactly that many calls, for the
+// last barrier of a buffer, so that ranks whose call counts differ all fail instead of some passing).
+// The buffer writes queued before it on `stream` are visible to every peer after it. A peer that does
+// not arrive within the timeout sets `State::barrier_failed`, the abort word and the host error flag.
+cudaError_t launch_barrier(const Context& ctx, uint64_t epoch, bool exact, cudaStream_t stream);
 
 // Launch the phases (`kSendPhase | kRecvPhase`) of one operation on `stream`. The caller checked the
 // arguments and that `layout` fits into the buffer.

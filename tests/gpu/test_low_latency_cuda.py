@@ -334,6 +334,37 @@ def test_low_latency_cuda_missing_peer_times_out(nccl_pool) -> None:
     assert "peer" in outcomes[0]
 
 
+def _clean_without_peer(rank: int, world: int) -> tuple[str, str]:
+    """Only rank 0 cleans: its barrier gives up, its next call raises; then both ranks destroy, having
+    made a different number of barrier calls, and both destroys raise instead of one entering the
+    collective free and hanging."""
+    c = Case("clean_timeout", tokens=(8, 8), max_tokens=8, hidden=256, use_fp8=False)
+    num_experts = c.experts_per_rank * world
+    runtime = LowLatencyRuntime(dist.group.WORLD, rank, world,
+                                low_latency_buffer_bytes(c.max_tokens, c.hidden, world, num_experts), timeout_s=2.0)
+    call_error = ""
+    if rank == 0:
+        runtime.clean_low_latency_buffer(c.max_tokens, c.hidden, num_experts)
+        torch.cuda.synchronize()
+        mine, _ = _inputs(c, world, rank, 5)
+        with pytest.raises(RuntimeError, match="gave up") as error:
+            runtime.low_latency_dispatch(mine.x, mine.topk_idx, c.max_tokens, num_experts, None, None, False, False,
+                                         False, False)
+        call_error = str(error.value)
+    dist.barrier()
+    with pytest.raises(RuntimeError, match="destroy gave up") as error:
+        runtime.destroy()
+    return call_error, str(error.value)
+
+
+@needs_gpu
+def test_low_latency_barriers_time_out(nccl_pool) -> None:
+    outcomes = nccl_pool(2).run(_clean_without_peer, timeout=300)
+    assert "peer" in outcomes[0][0]
+    for _, destroy_error in outcomes:
+        assert "not freed" in destroy_error
+
+
 @needs_gpu
 def test_buffer_size_formula_matches_kernels() -> None:
     from moe_ep.ops.backends.cuda_low_latency import _ext

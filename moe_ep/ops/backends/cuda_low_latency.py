@@ -117,6 +117,9 @@ class LowLatencyRuntime:
         if timeout_s is None:
             timeout_s = float(os.environ.get("MOE_EP_TIMEOUT_S", _DEFAULT_TIMEOUT_S))
         _init_nvshmem(group, rank, num_ranks, self.device)
+        # NVSHMEM's symmetric allocation is collective with no timeout; a rank that never creates its
+        # Buffer must fail the others here, through the process group's timeout, instead.
+        dist.barrier(group=group, device_ids=[self.device.index])
         self._runtime = _ext().NvshmemRuntime(rank, num_ranks, num_rdma_bytes, timeout_s)
         self._in_flight: list[_ReceiveHook] = []  # pending receives, oldest first
         self._sizes: Optional[tuple[int, int, int]] = None
