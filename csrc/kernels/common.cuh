@@ -59,6 +59,27 @@ MOE_EP_DEVICE void red_add_release_sys(int* ptr, int v) {
     asm volatile("red.release.sys.global.add.s32 [%0], %1;" ::"l"(ptr), "r"(v) : "memory");
 }
 
+// 64-bit signal words of the low-latency buffer (tag << 32 | value).
+MOE_EP_DEVICE uint64_t ld_acquire_sys_u64(const uint64_t* ptr) {
+    uint64_t v;
+    asm volatile("ld.acquire.sys.global.u64 %0, [%1];" : "=l"(v) : "l"(ptr) : "memory");
+    return v;
+}
+
+MOE_EP_DEVICE uint64_t ld_acquire_gpu_u64(const uint64_t* ptr) {
+    uint64_t v;
+    asm volatile("ld.acquire.gpu.global.u64 %0, [%1];" : "=l"(v) : "l"(ptr) : "memory");
+    return v;
+}
+
+MOE_EP_DEVICE void st_release_sys_u64(uint64_t* ptr, uint64_t v) {
+    asm volatile("st.release.sys.global.u64 [%0], %1;" ::"l"(ptr), "l"(v) : "memory");
+}
+
+MOE_EP_DEVICE void st_relaxed_gpu_u64(uint64_t* ptr, uint64_t v) {
+    asm volatile("st.relaxed.gpu.global.u64 [%0], %1;" ::"l"(ptr), "l"(v) : "memory");
+}
+
 // Orders generic-proxy global accesses against later bulk-copy (async proxy) accesses and back.
 MOE_EP_DEVICE void fence_proxy_async_global() { asm volatile("fence.proxy.async.global;" ::: "memory"); }
 // Makes generic writes to shared memory visible to a later bulk copy reading them.

@@ -47,16 +47,6 @@ MOE_EP_DEVICE uint64_t make_signal(uint32_t tag, uint32_t value) {
     return (static_cast<uint64_t>(tag) << 32) | value;
 }
 
-MOE_EP_DEVICE uint64_t ld_acquire_sys_u64(const uint64_t* ptr) {
-    uint64_t v;
-    asm volatile("ld.acquire.sys.global.u64 %0, [%1];" : "=l"(v) : "l"(ptr) : "memory");
-    return v;
-}
-
-MOE_EP_DEVICE void st_release_sys_u64(uint64_t* ptr, uint64_t v) {
-    asm volatile("st.release.sys.global.u64 [%0], %1;" ::"l"(ptr), "l"(v) : "memory");
-}
-
 // Waits until `*signal` carries `tag`, then yields its value. The time spent spinning is added to
 // `waited_ns`. False when this rank gave up (timeout here or elsewhere: the error is reported).
 MOE_EP_DEVICE bool wait_signal(const uint64_t* signal, uint32_t tag, const Context& c, uint32_t& value,
@@ -586,16 +576,6 @@ __global__ void __launch_bounds__(kBlockThreads, 1)
 
 constexpr int kPartialUnroll = 4;  // vectors per lane reduced together into a partial row
 constexpr int kPartialRows = 2;    // local expert rows loaded together into a partial row
-
-MOE_EP_DEVICE uint64_t ld_acquire_gpu_u64(const uint64_t* ptr) {
-    uint64_t v;
-    asm volatile("ld.acquire.gpu.global.u64 %0, [%1];" : "=l"(v) : "l"(ptr) : "memory");
-    return v;
-}
-
-MOE_EP_DEVICE void st_relaxed_gpu_u64(uint64_t* ptr, uint64_t v) {
-    asm volatile("st.relaxed.gpu.global.u64 [%0], %1;" ::"l"(ptr), "l"(v) : "memory");
-}
 
 // The rank hosting a top-k slot's expert; -1 for a masked (or out-of-range) slot.
 MOE_EP_DEVICE int rank_of_slot(int64_t expert, int num_experts, int num_local) {

@@ -307,12 +307,18 @@ def test_low_latency_cuda_repeated_seeds(nccl_pool, world: int) -> None:
 # ------------------------------------------------------------------ a missing peer
 
 
-def _absent_peer(rank: int, world: int) -> str:
-    """Rank 1 never dispatches: rank 0's kernel gives up after the timeout and its next call raises."""
-    c = Case("timeout", tokens=(8, 8), max_tokens=8, hidden=256, use_fp8=False)
+def _runtime_with_short_timeout(name: str, rank: int, world: int) -> tuple[Case, int, LowLatencyRuntime]:
+    """A small case and a runtime whose waits give up after 2 s."""
+    c = Case(name, tokens=(8, 8), max_tokens=8, hidden=256, use_fp8=False)
     num_experts = c.experts_per_rank * world
     runtime = LowLatencyRuntime(dist.group.WORLD, rank, world,
                                 low_latency_buffer_bytes(c.max_tokens, c.hidden, world, num_experts), timeout_s=2.0)
+    return c, num_experts, runtime
+
+
+def _absent_peer(rank: int, world: int) -> str:
+    """Rank 1 never dispatches: rank 0's kernel gives up after the timeout and its next call raises."""
+    c, num_experts, runtime = _runtime_with_short_timeout("timeout", rank, world)
     message = ""
     if rank == 0:
         mine, _ = _inputs(c, world, rank, 5)
@@ -338,10 +344,7 @@ def _clean_without_peer(rank: int, world: int) -> tuple[str, str]:
     """Only rank 0 cleans: its barrier gives up, its next call raises; then both ranks destroy, having
     made a different number of barrier calls, and both destroys raise instead of one entering the
     collective free and hanging."""
-    c = Case("clean_timeout", tokens=(8, 8), max_tokens=8, hidden=256, use_fp8=False)
-    num_experts = c.experts_per_rank * world
-    runtime = LowLatencyRuntime(dist.group.WORLD, rank, world,
-                                low_latency_buffer_bytes(c.max_tokens, c.hidden, world, num_experts), timeout_s=2.0)
+    c, num_experts, runtime = _runtime_with_short_timeout("clean_timeout", rank, world)
     call_error = ""
     if rank == 0:
         runtime.clean_low_latency_buffer(c.max_tokens, c.hidden, num_experts)
