@@ -70,7 +70,7 @@ def _nvshmem_dir() -> str | None:
 def _cuda_extension():
     from torch.utils.cpp_extension import CUDA_HOME, CUDAExtension
 
-    os.environ.setdefault("TORCH_CUDA_ARCH_LIST", "9.0")
+    os.environ.setdefault("TORCH_CUDA_ARCH_LIST", "9.0a")  # sm_90a: the FP8 GEMM uses wgmma
     include_dirs = [str(ROOT / "csrc"), str(ROOT / "csrc" / "kernels"), os.path.join(CUDA_HOME, "include", "cccl")]
     sources = _sources()
     # No -std here: BuildExtension picks the standard the installed torch headers need (C++17 or 20);

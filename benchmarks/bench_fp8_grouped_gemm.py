@@ -1,15 +1,17 @@
-"""Triton blockwise FP8 grouped GEMMs and FP8 casts against BF16 `torch._grouped_mm` on one GPU.
+"""Blockwise FP8 grouped GEMMs (CUDA and Triton) and FP8 casts against BF16 `torch._grouped_mm` on one GPU.
 
 DeepSeek-V3 expert shapes on one rank: 64 local experts, about 32768 expert-major rows in uneven
 segments padded to 16 rows; the gate/up projection (K 7168 -> M 4096) and the down projection
 (K 2048 -> M 7168). For each: forward and input gradient (dgrad: the same kernel against the
-transposed FP8 weight), FP8 vs BF16, CUDA-event medians; the autotuned tile and every tile's time;
+transposed FP8 weight), FP8 (the `moe_ep._C` wgmma kernel where built, and Triton) vs BF16,
+CUDA-event medians; Triton's autotuned tile and every tile's time;
 the fused Triton casts (1x128 rows of the GEMM input and of the output gradient, the input rows cast
 back to BF16, 128x128 weight cast with its transposed copy) against the torch reference casts, which
 they must equal bit for bit. Then the whole expert MLP (`GroupedMLP`, SwiGLU, forward+backward on
 the same segments, hidden 7168, intermediate 2048): BF16, FP8 with the weights cast on every step (as
 after each optimizer step), FP8 with cached casts (gradient-accumulation micro-batches), and the
-weight cast alone; `--profile` adds the FP8 step's kernels by GPU time.
+weight cast alone, with the CUDA GEMMs and again with the Triton ones; `--profile` adds the BF16 and
+FP8 steps' kernels by GPU time.
 Prints JSON, then a table (and writes the JSON with --out).
 
     python benchmarks/bench_fp8_grouped_gemm.py --out benchmarks/results/fp8_grouped_gemm.json [--profile]
@@ -113,11 +115,11 @@ def bench_projection(num_experts: int, rows: int, depth: int, width: int, seed: 
     sw_t = sw.transpose(-2, -1)
     w = fp8.per_block_cast_back(qw, sw, torch.bfloat16)  # both paths multiply the same weights
 
-    def forward(config: Optional[triton.Config] = None) -> torch.Tensor:
-        return gemm.fp8_grouped_mm(qx, sx, qw, sw, ends, config=config)
+    def forward(config: Optional[triton.Config] = None, backend: str = "triton") -> torch.Tensor:
+        return gemm.fp8_grouped_mm(qx, sx, qw, sw, ends, config=config, backend=backend)
 
-    def dgrad(config: Optional[triton.Config] = None) -> torch.Tensor:
-        return gemm.fp8_grouped_mm(qg, sg, qw_t, sw_t, ends, config=config)
+    def dgrad(config: Optional[triton.Config] = None, backend: str = "triton") -> torch.Tensor:
+        return gemm.fp8_grouped_mm(qg, sg, qw_t, sw_t, ends, config=config, backend=backend)
 
     # Correctness on the first expert's rows against the dequantized math (FP32 dense).
     first = slice(0, counts[0])
@@ -130,6 +132,12 @@ def bench_projection(num_experts: int, rows: int, depth: int, width: int, seed: 
                                         @ dense_w),
         "dgrad_tile": tile_name(gemm._grouped_mm_kernel.best_config),
     }
+    cuda = gemm.cuda_kernel_runs(qx, qw)
+    if cuda:
+        for op, run in (("forward", forward), ("dgrad", dgrad)):
+            got, want = run(backend="cuda"), run()
+            checks[f"cuda_{op}_rel_err_vs_triton"] = relative_error(got, want)
+            checks[f"cuda_{op}_bitwise_share"] = float((got.view(torch.int16) == want.view(torch.int16)).double().mean())
 
     w_t = w.transpose(-2, -1)
     times = {
@@ -138,13 +146,16 @@ def bench_projection(num_experts: int, rows: int, depth: int, width: int, seed: 
         "bf16_dgrad_us": local_median_us(lambda: torch._grouped_mm(grad, w, offs=ends)),
         "fp8_dgrad_us": local_median_us(dgrad),
     }
+    if cuda:
+        times["cuda_fp8_forward_us"] = local_median_us(lambda: forward(backend="cuda"))
+        times["cuda_fp8_dgrad_us"] = local_median_us(lambda: dgrad(backend="cuda"))
     flops = 2 * num_rows * depth * width
     tflops = {name.replace("_us", "_tflops"): flops / (t * 1e-6) / 1e12 for name, t in times.items()}
     tiles = {"forward_tiles_us": time_each_tile(forward, width), "dgrad_tiles_us": time_each_tile(dgrad, depth)}
     return {"num_experts": num_experts, "rows": num_rows, "K": depth, "M": width,
             **checks, **times, **tflops, **casts, **tiles,
-            "fp8_over_bf16_forward": times["bf16_forward_us"] / times["fp8_forward_us"],
-            "fp8_over_bf16_dgrad": times["bf16_dgrad_us"] / times["fp8_dgrad_us"]}
+            **{f"{kind}fp8_over_bf16_{op}": times[f"bf16_{op}_us"] / times[f"{kind}fp8_{op}_us"]
+               for kind in ("", "cuda_")[:1 + cuda] for op in ("forward", "dgrad")}}
 
 
 def bench_experts(num_experts: int, rows: int, profile: bool) -> dict:
@@ -160,20 +171,30 @@ def bench_experts(num_experts: int, rows: int, profile: bool) -> dict:
         mlp.zero_grad(set_to_none=True)
         mlp(x.detach().requires_grad_(), tokens_per_expert, tokens_per_expert_list=counts).backward(grad)
 
-    results = {"rows": x.size(0)}
+    results = {"rows": x.size(0), "gemm": "cuda" if gemm.cuda_kernel_runs(x, x) else "triton"}
     for name in EXPERT_RUNS:
         mlp.use_fp8, mlp.cache_fp8_weights = name != "bf16", name == "fp8_cached"
         results[f"{name}_us"] = local_median_us(step, warmup=3, iters=10)
         results[f"{name}_speedup"] = results["bf16_us"] / results[f"{name}_us"]
+    if results["gemm"] == "cuda":  # the FP8 runs again on the Triton GEMMs
+        runs_cuda = gemm.cuda_kernel_runs
+        gemm.cuda_kernel_runs = lambda a, b: False
+        for name in ("fp8", "fp8_cached"):
+            mlp.cache_fp8_weights = name == "fp8_cached"
+            results[f"triton_{name}_us"] = local_median_us(step, warmup=3, iters=10)
+            results[f"triton_{name}_speedup"] = results["bf16_us"] / results[f"triton_{name}_us"]
+        gemm.cuda_kernel_runs = runs_cuda
     mlp.cache_fp8_weights = False
     weights = [p.detach() for p in (mlp.gate_up_proj, mlp.down_proj)]
     results["fp8_weight_cast_us"] = local_median_us(lambda: [cast_weight_to_fp8(w) for w in weights], iters=10)
     if profile:
-        mlp.use_fp8 = True
-        with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
-            step()
-            torch.cuda.synchronize()
-        print(prof.key_averages().table(sort_by="self_device_time_total", row_limit=25, max_name_column_width=70))
+        for use_fp8 in (False, True):
+            mlp.use_fp8 = use_fp8
+            with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
+                step()
+                torch.cuda.synchronize()
+            print(f"{'FP8' if use_fp8 else 'BF16'} expert step, kernels by GPU time")
+            print(prof.key_averages().table(sort_by="self_device_time_total", row_limit=25, max_name_column_width=70))
     return results
 
 
@@ -198,21 +219,28 @@ def cast_lines(results: dict) -> list[str]:
 
 
 def gemm_lines(results: dict) -> list[str]:
-    lines = [f"{'GEMM':16s} {'bf16 us':>8s} {'fp8 us':>8s} {'fp8/bf16':>8s} {'fp8 TF/s':>8s} {'rel err':>8s}  tile"]
+    lines = [f"{'GEMM':16s} {'bf16 us':>8s} {'triton':>8s} {'TF/s':>6s} {'cuda':>8s} {'TF/s':>6s} {'cuda/bf16':>9s} "
+             f"{'rel err':>8s} {'bitwise':>7s}  triton tile"]
     for proj in PROJECTIONS:
         r = results[proj]
         for op in ("forward", "dgrad"):
+            cuda = (f"{r[f'cuda_fp8_{op}_us']:8.0f} {r[f'cuda_fp8_{op}_tflops']:6.0f} "
+                    f"{r[f'cuda_fp8_over_bf16_{op}']:9.2f}" if f"cuda_fp8_{op}_us" in r else f"{'-':>8s} {'-':>6s} {'-':>9s}")
+            bitwise = f"{r[f'cuda_{op}_bitwise_share']:7.4f}" if f"cuda_{op}_bitwise_share" in r else f"{'-':>7s}"
             lines.append(f"{proj + ' ' + op:16s} {r[f'bf16_{op}_us']:8.0f} {r[f'fp8_{op}_us']:8.0f} "
-                         f"{r[f'fp8_over_bf16_{op}']:8.2f} {r[f'fp8_{op}_tflops']:8.0f} "
-                         f"{r[f'{op}_rel_err']:8.1e}  {r[f'{op}_tile']}")
+                         f"{r[f'fp8_{op}_tflops']:6.0f} {cuda} {r[f'{op}_rel_err']:8.1e} {bitwise}  {r[f'{op}_tile']}")
     return lines
 
 
 def expert_lines(results: dict) -> list[str]:
     e = results["experts"]
-    lines = [f"experts fwd+bwd ({e['rows']} rows)  time(us)  vs bf16"]
+    lines = [f"experts fwd+bwd ({e['rows']} rows, {e['gemm']} FP8 GEMMs)  time(us)  vs bf16"]
     for name, label in EXPERT_RUNS.items():
         lines.append(f"  {label:30s} {e[f'{name}_us']:9.0f}  {e[f'{name}_speedup']:5.2f}x")
+    for name in ("fp8", "fp8_cached"):
+        if f"triton_{name}_us" in e:
+            label = EXPERT_RUNS[name] + " (triton)"
+            lines.append(f"  {label:30s} {e[f'triton_{name}_us']:9.0f}  {e[f'triton_{name}_speedup']:5.2f}x")
     lines.append(f"  {'fp8 weight cast alone':30s} {e['fp8_weight_cast_us']:9.0f}")
     return lines
 

@@ -6,7 +6,8 @@
 #     test: every tests/gpu file on its own (FILE_TIMEOUT seconds each, one log), so a hang in one
 #     file costs only its own time; TESTS narrows the files, PYTEST_ARGS adds pytest options;
 #     bench: the intranode benchmark (BENCH_TIMEOUT); ll: the low-latency benchmark; layer: the MoE
-#     layer benchmark (LAYER_TIMEOUT); fp8gemm: the Triton FP8 grouped GEMM against BF16 on one GPU;
+#     layer benchmark (LAYER_TIMEOUT); fp8gemm: the FP8 grouped GEMMs (CUDA and Triton) against BF16 on
+#     one GPU (FP8GEMM_TIMEOUT, FP8GEMM_ARGS: e.g. --profile);
 #     examples: the DeepSeek-V3-style training on every GPU and the accelerate fine-tuning on 2 GPUs
 #     (EXAMPLES_TIMEOUT each, output in examples.log, loss curve and metrics in files.tgz).
 # Benchmarks run with MOE_EP_CHECK_VALUES=0 (no front-end value checks, as in DeepEP). At most 8 files come
@@ -81,7 +82,7 @@ has bench && run_bench intranode "${BENCH_TIMEOUT:-300}" bench_intranode.py benc
 has ll && run_bench low-latency "${LL_TIMEOUT:-120}" bench_low_latency.py bench_low_latency.json --world "$EP"
 has layer && run_bench "MoE layer" "${LAYER_TIMEOUT:-200}" bench_moe_layer.py bench_moe_layer.json --world "$EP"
 has fp8gemm && run_bench "FP8 grouped GEMM" "${FP8GEMM_TIMEOUT:-150}" bench_fp8_grouped_gemm.py \
-    bench_fp8_grouped_gemm.json
+    bench_fp8_grouped_gemm.json ${FP8GEMM_ARGS:-}
 
 if has decodediag; then
     test_id=${DIAG_TEST:-tests/gpu/test_moe_layer_gpu.py::test_low_latency_decode_matches_forward_on_gpu[decode_bf16-4]}

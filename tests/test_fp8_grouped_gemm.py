@@ -1,6 +1,7 @@
-"""The Triton blockwise FP8 grouped GEMM against float64 references of the dequantized math.
+"""The blockwise FP8 grouped GEMM against float64 references of the dequantized math.
 
-Compiled on a GPU, in Triton's interpreter elsewhere (see `triton_kernels`). Skipped without Triton.
+The Triton kernel compiled on a GPU, in Triton's interpreter elsewhere (see `triton_kernels`), and
+the CUDA kernel of `moe_ep._C` where it runs. Skipped without Triton.
 """
 
 from __future__ import annotations
@@ -30,6 +31,15 @@ def _interpret(monkeypatch) -> None:
     interpret_without_cuda(monkeypatch)
 
 
+@pytest.fixture(params=["triton", "cuda"])
+def backend(request) -> str:
+    """Each implementation of `fp8_grouped_mm`; the CUDA one needs an sm_90a build on an sm_90 GPU."""
+    if request.param == "cuda" and (DEVICE != "cuda" or gemm._cuda_kernels() is None
+                                    or torch.cuda.get_device_capability() != (9, 0)):
+        pytest.skip("the moe_ep._C FP8 GEMM runs on sm_90 GPUs with an sm_90a build only")
+    return request.param
+
+
 def generator(seed: int) -> torch.Generator:
     return torch.Generator().manual_seed(seed)
 
@@ -48,8 +58,11 @@ def per_expert(a: torch.Tensor, b: torch.Tensor, counts: list[int] = COUNTS) -> 
 
 
 def assert_bf16_close(got: torch.Tensor, a: torch.Tensor, b: torch.Tensor, counts: list[int] = COUNTS) -> None:
-    """`got` (BF16) against the float64 `a[rows of e] @ b[e]` on the valid rows."""
+    """`got` (BF16) against the float64 `a[rows of e] @ b[e]` on the valid rows, zeros past them."""
     assert got.dtype == torch.bfloat16
+    assert (got[sum(counts):] == 0).all(), "rows past the last segment must be zeros"
+    if sum(counts) == 0:
+        return
     got = got[:sum(counts)].double().cpu()
     want = per_expert(a, b, counts)
     assert torch.isfinite(got).all()
@@ -78,22 +91,22 @@ def dequantized(rows: tuple[torch.Tensor, torch.Tensor], weights: tuple[torch.Te
             fp8.per_block_cast_back(*weights, torch.float64))
 
 
-def test_forward_matches_dequantized_float64() -> None:
+def test_forward_matches_dequantized_float64(backend: str) -> None:
     (qa, sa), (qw, sw) = fp8_operands(0, NUM_ROWS, K, M)
-    out = gemm.fp8_grouped_mm(qa.to(DEVICE), sa.to(DEVICE), qw.to(DEVICE), sw.to(DEVICE), ends())
+    out = gemm.fp8_grouped_mm(qa.to(DEVICE), sa.to(DEVICE), qw.to(DEVICE), sw.to(DEVICE), ends(), backend=backend)
     assert out.shape == (NUM_ROWS, M)
     a, w = dequantized((qa, sa), (qw, sw))
     assert_bf16_close(out, a, w.transpose(-2, -1))
 
 
-def test_dgrad_is_the_forward_against_the_transposed_weight() -> None:
+def test_dgrad_is_the_forward_against_the_transposed_weight(backend: str) -> None:
     """The input gradient `grad @ W[e]` as experts run it: the fused cast's transposed weight and
     row-adjacent gradient scales, through the forward kernel."""
     (qg, sg), (qw, sw) = fp8_operands(1, NUM_ROWS, M, K)  # gradients [N, M], weights [E, M, K]
     weight = fp8.per_block_cast_back(qw, sw, torch.float32)
     qw, sw, qw_t = casts.per_block_cast_to_fp8_with_transpose(weight.to(DEVICE))
     qg, sg = casts.per_token_cast_to_fp8(fp8.per_token_cast_back(qg, sg, torch.float32).to(DEVICE))
-    dx = gemm.fp8_grouped_mm(qg, sg, qw_t, sw.transpose(-2, -1), ends())
+    dx = gemm.fp8_grouped_mm(qg, sg, qw_t, sw.transpose(-2, -1), ends(), backend=backend)
     assert dx.shape == (NUM_ROWS, K)
     g, w = dequantized((qg.cpu(), sg.cpu()), (qw.cpu(), sw.cpu()))
     assert_bf16_close(dx, g, w)
@@ -118,15 +131,15 @@ def test_forward_with_each_tile_shape(block_m: int, block_n: int, split_n: int) 
 
 
 @pytest.mark.parametrize("counts", [[0, 64, 0], [32], [0, 0, 0, 0, 16], [0, 0]])
-def test_forward_segment_edge_cases(counts: list[int]) -> None:
+def test_forward_segment_edge_cases(counts: list[int], backend: str) -> None:
     """Leading, trailing and all-empty experts, one expert, expert counts that are not powers of two."""
     num_rows = sum(counts) + 3
     (qa, sa), (qw, sw) = fp8_operands(5, num_rows, K, 128, experts=len(counts))
-    out = gemm.fp8_grouped_mm(qa.to(DEVICE), sa.to(DEVICE), qw.to(DEVICE), sw.to(DEVICE), ends(counts))
+    out = gemm.fp8_grouped_mm(qa.to(DEVICE), sa.to(DEVICE), qw.to(DEVICE), sw.to(DEVICE), ends(counts),
+                              backend=backend)
     assert out.shape == (num_rows, 128)
-    if sum(counts):
-        a, w = dequantized((qa, sa), (qw, sw))
-        assert_bf16_close(out, a, w.transpose(-2, -1), counts)
+    a, w = dequantized((qa, sa), (qw, sw))
+    assert_bf16_close(out, a, w.transpose(-2, -1), counts)
 
 
 def test_rejects_misshapen_operands() -> None:
@@ -140,6 +153,11 @@ def test_rejects_misshapen_operands() -> None:
     with pytest.raises(ValueError, match="config"):
         gemm.fp8_grouped_mm(qa, sa, qw[:, :128], sw[:, :1], ends([16, 0, 0, 0]),
                             config=triton.Config({"BLOCK_M": 64, "BLOCK_N": 128, "SPLIT_N": 2}))
+    with pytest.raises(ValueError, match="backend"):
+        gemm.fp8_grouped_mm(qa, sa, qw, sw, ends([16, 0, 0, 0]), backend="cutlass")
+    if not gemm.cuda_kernel_runs(qa, qw):
+        with pytest.raises(RuntimeError, match="backend='cuda'"):
+            gemm.fp8_grouped_mm(qa, sa, qw, sw, ends([16, 0, 0, 0]), backend="cuda")
 
 
 def test_grouped_mlp_fp8_path_through_the_triton_kernels(monkeypatch) -> None:

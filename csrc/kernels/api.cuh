@@ -4,6 +4,7 @@
 #pragma once
 
 #include <cstdint>
+#include <cuda_bf16.h>
 #include <cuda_runtime.h>
 
 #ifdef MOE_EP_PROFILE
@@ -232,6 +233,41 @@ struct CombineArgs {
 };
 
 cudaError_t launch_combine(const CombineArgs& args, const CommContext& comm, cudaStream_t stream);
+
+// ---------------------------------------------------------------------------------------------
+// Grouped FP8 GEMM with blockwise scaling (csrc/kernels/fp8_gemm.cu, sm_90a)
+// ---------------------------------------------------------------------------------------------
+
+// out[rows of e] = (a * a_scales) @ (b[e] * b_scales[e])^T for every expert e owning the rows
+// [ends[e-1], ends[e]) of `a`; rows from ends[E-1] on become zeros. Strides in elements unless named
+// bytes; K (innermost) contiguous in `a` and `b`, and a, b and their byte strides 16-byte aligned.
+struct Fp8GroupedGemmArgs {
+    const void* a;               // [num_rows, depth] e4m3
+    int64_t a_row_stride;        // bytes
+    const float* a_scales;       // [num_rows, depth / 128]
+    int64_t a_scale_row_stride;
+    int64_t a_scale_k_stride;
+    const void* b;               // [num_experts, n_out, depth] e4m3
+    int64_t b_row_stride;        // bytes
+    int64_t b_expert_stride;     // bytes
+    const float* b_scales;       // [num_experts, n_out / 128, depth / 128]
+    int64_t b_scale_expert_stride;
+    int64_t b_scale_row_stride;
+    int64_t b_scale_k_stride;
+    const int* ends;             // [num_experts] cumulative segment ends
+    __nv_bfloat16* out;          // [num_rows, n_out]
+    int64_t out_row_stride;
+    int num_rows;
+    int depth;                   // K, a multiple of the tile
+    int n_out;                   // a multiple of the tile
+    int num_experts;
+};
+
+// Rows, columns and K depth of the GEMM's tiles: depth and n_out must be multiples of it.
+int fp8_grouped_gemm_tile();
+// Whether this binary holds the GEMM for sm_90a and the driver can encode TMA maps (queried once).
+bool fp8_grouped_gemm_supported();
+cudaError_t launch_fp8_grouped_gemm(const Fp8GroupedGemmArgs& args, cudaStream_t stream);
 
 // Whether the kernels in this binary were compiled for sm_90.
 bool is_sm90_compiled();

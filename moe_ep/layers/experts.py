@@ -70,6 +70,7 @@ class ExpertSegments:
         (`rows_per_expert` given) fixed segments of that many rows whose first `tokens_per_expert[e]`
         rows are valid."""
         device = tokens_per_expert.device
+        self.packed = rows_per_expert is not None
         self.alignment = alignment if rows_per_expert is None else rows_per_expert
         rows = torch.arange(num_rows, device=device)
         if rows_per_expert is None:
@@ -102,6 +103,12 @@ class ExpertSegments:
     def mask(self, rows: torch.Tensor) -> torch.Tensor:
         """`rows` with the ignored rows set to 0 (a select, so NaN garbage there cannot leak)."""
         return torch.where(self.valid[:, None], rows, torch.zeros((), dtype=rows.dtype, device=rows.device))
+
+    def mask_packed(self, rows: torch.Tensor) -> torch.Tensor:
+        """`mask(rows)` in the packed layout, whose ignored rows lie inside the segments; `rows` as
+        they are in the contiguous layout, for FP8 GEMM outputs (zeros past the last segment) and
+        for operands that are only contracted over the segments."""
+        return self.mask(rows) if self.packed else rows
 
 
 def _uses_grouped_mm(x: torch.Tensor, seg: ExpertSegments) -> bool:
@@ -208,10 +215,10 @@ def fp8_grouped_linear(x: FP8Tokens, weight: FP8Weight, seg: ExpertSegments) -> 
     """Blockwise-scaled `x[rows of e] @ weight[e].T` in FP32, rounded to BF16.
 
     `x` is `(q [N, K], scales [N, K/128] float32)`, `weight` `[E, M, K]` blockwise e4m3.
-    Rows outside every segment are unspecified (callers mask them). On CUDA sm_90+ with Triton this
-    is one grouped FP8 GEMM with device offsets; on sm_90 without Triton, one cuBLAS FP8 GEMM per
-    expert (host-side bounds); elsewhere the reference: the same products of dequantized values,
-    accumulated in FP32.
+    Rows past the last segment are zeros. On CUDA sm_90+ this is one grouped FP8 GEMM with device
+    offsets (`fp8_grouped_gemm`: the `moe_ep._C` kernel, or Triton); on sm_90 without Triton, one
+    cuBLAS FP8 GEMM per expert (host-side bounds); elsewhere the reference: the same products of
+    dequantized values, accumulated in FP32.
     """
     if _triton_fp8_available(x[0].device):
         return _triton_fp8().gemm.fp8_grouped_mm(*x, weight.q, weight.scales, seg.offsets)
@@ -219,7 +226,7 @@ def fp8_grouped_linear(x: FP8Tokens, weight: FP8Weight, seg: ExpertSegments) -> 
         return _scaled_mm_per_expert(x, weight, seg)
     dense_x = per_token_cast_back(*x, dtype=torch.float32)
     dense_w = per_block_cast_back(weight.q, weight.scales, dtype=torch.float32)
-    return grouped_linear(dense_x, dense_w, seg).to(torch.bfloat16)
+    return seg.mask(grouped_linear(dense_x, dense_w, seg)).to(torch.bfloat16)
 
 
 def _scaled_mm_per_expert(x: FP8Tokens, weight: FP8Weight, seg: ExpertSegments) -> torch.Tensor:
@@ -249,12 +256,13 @@ def fp8_grouped_input_grad(grad: torch.Tensor, weight: FP8Weight, seg: ExpertSeg
     With the transposed weight (`weight.q_t`, cast for the Triton kernels), `grad` is cast to e4m3
     (1x128 along M; `grad_8` if that cast was already made) and the product runs as the forward's
     FP8 grouped GEMM against `W[e]^T`, whose 128x128 block scales are `W[e]`'s transposed; elsewhere
-    in BF16 on the dequantized weight. Rows outside every segment are unspecified.
+    in BF16 on the dequantized weight. Rows past the last segment are zeros.
     """
     if weight.q_t is not None:
         rows = grad_8 if grad_8 is not None else cast_rows_to_fp8(grad)
         return _triton_fp8().gemm.fp8_grouped_mm(*rows, weight.q_t, weight.scales.transpose(-2, -1), seg.offsets)
-    return grouped_linear(grad, per_block_cast_back(weight.q, weight.scales, grad.dtype).transpose(-2, -1), seg)
+    dense_weight = per_block_cast_back(weight.q, weight.scales, grad.dtype).transpose(-2, -1)
+    return seg.mask(grouped_linear(grad, dense_weight, seg))
 
 
 class _FP8SwiGLU(torch.autograd.Function):
@@ -266,9 +274,11 @@ class _FP8SwiGLU(torch.autograd.Function):
                 seg: ExpertSegments) -> torch.Tensor:
         """`weights_8` are the FP8 casts of the two weights, which only receive the gradients."""
         gate_up_8, down_8 = weights_8
-        z = seg.mask(fp8_grouped_linear((q, scales), gate_up_8, seg))
+        # Contiguous segments need no masks here: the GEMMs write zeros past the last segment and
+        # contract over the segments only.
+        z = seg.mask_packed(fp8_grouped_linear((q, scales), gate_up_8, seg))
         h_8 = swiglu_to_fp8(z)
-        y = seg.mask(fp8_grouped_linear(h_8, down_8, seg))
+        y = seg.mask_packed(fp8_grouped_linear(h_8, down_8, seg))
         ctx.save_for_backward(q, scales, z, *h_8, *gate_up_8, *down_8)
         ctx.seg = seg
         ctx.carrier_dtype = None if carrier is None else carrier.dtype
@@ -280,16 +290,16 @@ class _FP8SwiGLU(torch.autograd.Function):
         q, scales, z, h_q, h_scales, *weights = ctx.saved_tensors
         gate_up_8, down_8 = FP8Weight(*weights[:3]), FP8Weight(*weights[3:])
         seg: ExpertSegments = ctx.seg
-        grad_y = seg.mask(grad_y.to(torch.bfloat16).contiguous())
+        grad_y = seg.mask_packed(grad_y.to(torch.bfloat16).contiguous())
         h = rows_from_fp8(h_q, h_scales)
         grad_down = grouped_weight_grad(grad_y, h, seg)
         grad_h = fp8_grouped_input_grad(grad_y, down_8, seg)
-        grad_z, grad_z_8 = swiglu_backward(z, seg.mask(grad_h))
-        x = seg.mask(rows_from_fp8(q, scales))
+        grad_z, grad_z_8 = swiglu_backward(z, seg.mask_packed(grad_h))
+        x = seg.mask_packed(rows_from_fp8(q, scales))
         grad_gate_up = grouped_weight_grad(grad_z, x, seg)
         grad_x = None
         if ctx.carrier_dtype is not None:
-            grad_x = seg.mask(fp8_grouped_input_grad(grad_z, gate_up_8, seg, grad_z_8)).to(ctx.carrier_dtype)
+            grad_x = seg.mask_packed(fp8_grouped_input_grad(grad_z, gate_up_8, seg, grad_z_8)).to(ctx.carrier_dtype)
         gate_up_dtype, down_dtype = ctx.weight_dtypes
         return None, None, grad_x, grad_gate_up.to(gate_up_dtype), grad_down.to(down_dtype), None, None
 

@@ -1,4 +1,4 @@
-"""Grouped FP8 GEMM with DeepSeek-V3 blockwise scaling, in Triton.
+"""Grouped FP8 GEMM with DeepSeek-V3 blockwise scaling: the CUDA kernel of `moe_ep._C`, or Triton.
 
 Computes, for every expert `e` owning a contiguous segment of rows of an expert-major `[N, K]`
 activation,
@@ -8,23 +8,30 @@ activation,
 with `a` e4m3 and one float32 scale per row per 128 columns (1x128), `b [E, N_OUT, K]` e4m3 with
 one float32 scale per 128x128 block. Each 128-wide K block is multiplied on the tensor cores and
 added to an FP32 accumulator with its two scales applied (as DeepGEMM does); the result is BF16.
+Rows past the last segment are written as zeros.
+
+Two implementations of the same arithmetic: the TMA + wgmma kernel of `moe_ep._C`
+(`csrc/kernels/fp8_gemm.cu`, sm_90a: a producer warp feeding two math warpgroups) where the
+extension is built, and the Triton kernel below everywhere else (and in Triton's interpreter on CPU).
 
 Segments are given by their cumulative ends on the device (`ExpertSegments.offsets`), so nothing
-syncs with the host: the launch grid is an upper bound on the row tiles (`cdiv(N, BLOCK_M) + E`,
-since every segment wastes at most one partial tile) and each program finds its expert from a
-prefix sum of the experts' tile counts. Rows past the last segment are not written.
+syncs with the host: the launch grid is an upper bound on the row tiles (`cdiv(N, BLOCK_M) + E + 1`,
+since every segment wastes at most one partial tile and the zero tail takes one more) and each
+program finds its expert from a prefix sum of the experts' tile counts.
 
 Hopper's FP8 tensor-core instructions read both operands K-major (the contracted dimension
-contiguous in memory); other strides work but make Triton transpose tiles on chip. The input
-gradient `grad @ W[e]` is this same GEMM against `W` transposed (K-major for it), which
-`fp8_casts.per_block_cast_to_fp8_with_transpose` writes next to `W`; its scales are `W`'s
-transposed.
+contiguous in memory); other strides work in Triton but make it transpose tiles on chip, and the
+CUDA kernel needs them. The input gradient `grad @ W[e]` is this same GEMM against `W` transposed
+(K-major for it), which `fp8_casts.per_block_cast_to_fp8_with_transpose` writes next to `W`; its
+scales are `W`'s transposed.
 """
 
 from __future__ import annotations
 
+import importlib
 import os
-from typing import Optional
+from functools import cache
+from typing import Literal, Optional
 
 import torch
 import triton
@@ -73,9 +80,10 @@ def _tiles_fitting(configs: list[triton.Config], named_args: dict, **kwargs) -> 
 
 
 @triton.jit
-def _locate_row_tile(ends_ptr, num_experts, row_slot, BLOCK_M: tl.constexpr, E_POW2: tl.constexpr):
-    """`(expert, first row, segment end)` of row tile `row_slot`, segments tiled one after another;
-    `expert == num_experts` past the last tile. All experts at once (E_POW2 >= E lanes), no loop."""
+def _locate_row_tile(ends_ptr, num_experts, num_rows, row_slot, BLOCK_M: tl.constexpr, E_POW2: tl.constexpr):
+    """`(expert, first row, end row)` of row tile `row_slot`, segments tiled one after another, then
+    the rows past the last segment (`expert == num_experts`). All experts at once (E_POW2 >= E
+    lanes), no loop."""
     e = tl.arange(0, E_POW2)
     seg_end = tl.load(ends_ptr + e, mask=e < num_experts, other=0)
     seg_begin = tl.load(ends_ptr + e - 1, mask=(e > 0) & (e < num_experts), other=0)
@@ -84,7 +92,11 @@ def _locate_row_tile(ends_ptr, num_experts, row_slot, BLOCK_M: tl.constexpr, E_P
     expert = tl.sum((tiles_through <= row_slot).to(tl.int32), 0)
     mine = e == expert
     tile_begin = tl.sum(tl.where(mine, seg_begin + (row_slot - tiles_through + seg_tiles) * BLOCK_M, 0), 0)
-    return expert, tile_begin, tl.sum(tl.where(mine, seg_end, 0), 0)
+    tile_end = tl.minimum(tl.sum(tl.where(mine, seg_end, 0), 0), tile_begin + BLOCK_M)
+    tail_begin = tl.max(seg_end, 0) + (row_slot - tl.sum(seg_tiles, 0)) * BLOCK_M
+    past_last = expert >= num_experts
+    tile_begin = tl.where(past_last, tail_begin, tile_begin)
+    return expert, tile_begin, tl.where(past_last, tl.minimum(tail_begin + BLOCK_M, num_rows), tile_end)
 
 
 # Tuned per output width and depth only: the row count changes every step with the routing.
@@ -92,7 +104,7 @@ def _locate_row_tile(ends_ptr, num_experts, row_slot, BLOCK_M: tl.constexpr, E_P
 @triton.jit
 def _grouped_mm_kernel(
     a_ptr, a_scale_ptr, b_ptr, b_scale_ptr, out_ptr, ends_ptr,
-    num_experts, N_OUT, K,
+    num_experts, num_rows, N_OUT, K,
     stride_am, stride_ak, stride_asm, stride_ask,
     stride_be, stride_bn, stride_bk, stride_bse, stride_bsn, stride_bsk,
     stride_om, stride_on,
@@ -107,15 +119,18 @@ def _grouped_mm_kernel(
     col_tile = pid % num_col_tiles
     row_slot = pid // num_col_tiles
 
-    expert, tile_begin, tile_end = _locate_row_tile(ends_ptr, num_experts, row_slot, BLOCK_M, E_POW2)
-    if expert >= num_experts:
-        return
-
+    expert, tile_begin, tile_end = _locate_row_tile(ends_ptr, num_experts, num_rows, row_slot, BLOCK_M, E_POW2)
     rows = tile_begin + tl.arange(0, BLOCK_M)
     row_mask = rows < tile_end
     rows = rows.to(tl.int64)
     first_col = col_tile * BLOCK_N * SPLIT_N
     cols = (first_col + tl.arange(0, BLOCK_N)).to(tl.int64)  # of the first column block
+    out_ptrs = out_ptr + rows[:, None] * stride_om + cols[None, :] * stride_on
+    if expert >= num_experts:  # rows past the last segment
+        zeros = tl.full((BLOCK_M, BLOCK_N), 0.0, dtype=tl.bfloat16)
+        for half in tl.static_range(SPLIT_N):
+            tl.store(out_ptrs + half * BLOCK_N * stride_on, zeros, mask=row_mask[:, None])
+        return
     ks = tl.arange(0, BLOCK_K)
     a_ptrs = a_ptr + rows[:, None] * stride_am + ks[None, :] * stride_ak
     b_ptrs = b_ptr + expert.to(tl.int64) * stride_be + cols[None, :] * stride_bn + ks[:, None] * stride_bk
@@ -150,25 +165,51 @@ def _grouped_mm_kernel(
         a_ptrs += BLOCK_K * stride_ak
         b_ptrs += BLOCK_K * stride_bk
 
-    out_ptrs = out_ptr + rows[:, None] * stride_om + cols[None, :] * stride_on
     tl.store(out_ptrs, acc.to(tl.bfloat16), mask=row_mask[:, None])
     if SPLIT_N == 2:
         tl.store(out_ptrs + BLOCK_N * stride_on, acc_1.to(tl.bfloat16), mask=row_mask[:, None])
 
 
+Backend = Literal["auto", "cuda", "triton"]
+
+
+@cache
+def _cuda_kernels():
+    """`moe_ep._C` when it holds a runnable FP8 GEMM (sm_90a build, TMA map encoder), else None."""
+    try:
+        ext = importlib.import_module("moe_ep._C")
+    except ImportError:
+        return None
+    return ext if hasattr(ext, "fp8_grouped_mm") and ext.fp8_grouped_mm_supported() else None
+
+
+def _tma_readable(t: torch.Tensor) -> bool:
+    """What TMA needs of an operand: K contiguous, start and row strides in 16-byte multiples."""
+    return t.stride(-1) == 1 and t.data_ptr() % 16 == 0 and all(s % 16 == 0 for s in t.stride()[:-1])
+
+
+def cuda_kernel_runs(a: torch.Tensor, b: torch.Tensor) -> bool:
+    """Whether `fp8_grouped_mm` runs these operands on the CUDA kernel (backend "auto")."""
+    return (a.is_cuda and not _INTERPRETED and torch.cuda.get_device_capability(a.device) == (9, 0)
+            and _cuda_kernels() is not None and _tma_readable(a) and _tma_readable(b))
+
+
 def fp8_grouped_mm(a: torch.Tensor, a_scales: torch.Tensor, b: torch.Tensor, b_scales: torch.Tensor,
-                   ends: torch.Tensor, *, config: Optional[triton.Config] = None) -> torch.Tensor:
+                   ends: torch.Tensor, *, config: Optional[triton.Config] = None,
+                   backend: Backend = "auto") -> torch.Tensor:
     """`dequant(a)[rows of e] @ dequant(b[e]).T` for every expert: `[N, K] x [E, N_OUT, K] -> [N, N_OUT]` BF16.
 
     Args:
         a: `[N, K]` e4m3 rows, expert-major; `a_scales`: `[N, K/128]` float32 (1x128), any strides
             (rows adjacent is fastest).
-        b: `[E, N_OUT, K]` e4m3, any strides (K contiguous is fastest); `b_scales`: `[E, N_OUT/128, K/128]`
-            float32 (128x128), any strides.
+        b: `[E, N_OUT, K]` e4m3, any strides (K contiguous is fastest, and the CUDA kernel needs
+            it); `b_scales`: `[E, N_OUT/128, K/128]` float32 (128x128), any strides.
         ends: `[E]` int32 cumulative segment ends on the device (expert `e` owns rows
-            `[ends[e-1], ends[e])`); rows from `ends[-1]` on are left unwritten.
-        config: one of `CONFIGS` (or any tile whose width divides N_OUT) to run instead of the
-            autotuned choice.
+            `[ends[e-1], ends[e])`); rows from `ends[-1]` on are zeros.
+        config: one of `CONFIGS` (or any tile whose width divides N_OUT) to run the Triton kernel
+            with instead of the autotuned choice.
+        backend: "cuda" (the `moe_ep._C` kernel; an error where it cannot run these operands),
+            "triton", or "auto": the CUDA kernel where `cuda_kernel_runs`, else Triton.
     """
     num_rows, depth = a.shape
     num_experts, n_out, b_depth = b.shape
@@ -183,17 +224,24 @@ def fp8_grouped_mm(a: torch.Tensor, a_scales: torch.Tensor, b: torch.Tensor, b_s
         raise ValueError(f"ends: expected int32 [{num_experts}], got {ends.dtype} {tuple(ends.shape)}")
     if config is not None and not _tiles_fitting([config], {"N_OUT": n_out}):
         raise ValueError(f"config: its tile width {tile_width(config)} does not divide N_OUT {n_out}")
+    if backend not in ("auto", "cuda", "triton"):
+        raise ValueError(f"backend: expected 'auto', 'cuda' or 'triton', got {backend!r}")
+    if backend == "cuda" and not cuda_kernel_runs(a, b):
+        raise RuntimeError("backend='cuda': the moe_ep._C FP8 GEMM cannot run here (it needs an sm_90a build on an "
+                           "sm_90 GPU, and K-contiguous operands with 16-byte aligned starts and strides)")
+    if backend == "cuda" or (backend == "auto" and config is None and cuda_kernel_runs(a, b)):
+        return _cuda_kernels().fp8_grouped_mm(a, a_scales, b, b_scales, ends)
     out = torch.empty(num_rows, n_out, dtype=torch.bfloat16, device=a.device)
 
     def grid(meta: dict) -> tuple[int]:
-        row_tiles = triton.cdiv(num_rows, meta["BLOCK_M"]) + num_experts
+        row_tiles = triton.cdiv(num_rows, meta["BLOCK_M"]) + num_experts + 1
         return (row_tiles * (n_out // (meta["BLOCK_N"] * meta["SPLIT_N"])),)
 
     kernel = _grouped_mm_kernel if config is None else _grouped_mm_kernel.fn
     tile = {} if config is None else config.all_kwargs()
     kernel[grid](
         a, a_scales, b, b_scales, out, ends,
-        num_experts, n_out, depth,
+        num_experts, num_rows, n_out, depth,
         *a.stride(), *a_scales.stride(), *b.stride(), *b_scales.stride(), *out.stride(),
         BLOCK_K=BLOCK, E_POW2=triton.next_power_of_2(num_experts), **tile,
     )

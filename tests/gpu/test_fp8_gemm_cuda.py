@@ -1,0 +1,85 @@
+"""The CUDA (wgmma) blockwise FP8 grouped GEMM at expert-sized shapes: against float64 references of
+the dequantized math and against the Triton kernel, on skewed segments with empty experts, garbage
+past the last segment, depths that wrap the shared-memory ring many times, and strided operands."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import test_fp8_grouped_gemm as cpu
+from moe_ep.ops import fp8
+
+gemm = cpu.gemm
+pytestmark = pytest.mark.skipif(
+    not torch.cuda.is_available() or torch.cuda.get_device_capability() != (9, 0) or gemm._cuda_kernels() is None,
+    reason="needs an sm_90 GPU and moe_ep._C built for sm_90a")
+
+
+def skewed_counts(num_experts: int, rows: int, seed: int) -> list[int]:
+    """Uneven rows per expert (some experts get none), each padded to 16 as the dispatcher does."""
+    g = torch.Generator().manual_seed(seed)
+    popularity = torch.rand(num_experts, generator=g) ** 3
+    popularity[torch.randperm(num_experts, generator=g)[: num_experts // 4]] = 0
+    counts = torch.multinomial(popularity, rows, replacement=True, generator=g).bincount(minlength=num_experts)
+    return [int(c + (-c) % 16) for c in counts]
+
+
+def operands(seed: int, counts: list[int], depth: int, width: int, tail: int):
+    (qa, sa), (qw, sw) = cpu.fp8_operands(seed, sum(counts) + tail, depth, width, experts=len(counts))
+    qa, sa, qw, sw = (t.cuda() for t in (qa, sa, qw, sw))
+    # Rows past the last segment hold NaN codes and NaN scales: none may leak into the outputs.
+    qa[sum(counts):] = torch.tensor(0x7F, dtype=torch.uint8).view(fp8.FP8_DTYPE)
+    sa[sum(counts):] = float("nan")
+    return qa, sa, qw, sw, cpu.ends(counts).cuda()
+
+
+@pytest.mark.parametrize("num_experts, rows, depth, width", [
+    (8, 1000, 2048, 512),    # 16 K blocks: the 6-stage ring wraps twice
+    (16, 3000, 7168, 256),   # the gate/up projection's depth: 56 K blocks
+    (5, 700, 512, 1024),     # fewer K blocks than stages, many column tiles
+    (1, 130, 128, 128),      # one expert, one K block, a segment one row past a tile
+])
+def test_matches_float64_reference_and_triton(num_experts: int, rows: int, depth: int, width: int) -> None:
+    counts = skewed_counts(num_experts, rows, seed=depth + width)
+    qa, sa, qw, sw, ends = operands(num_experts, counts, depth, width, tail=37)
+    got = gemm.fp8_grouped_mm(qa, sa, qw, sw, ends, backend="cuda")
+    a, w = cpu.dequantized((qa.cpu(), sa.cpu()), (qw.cpu(), sw.cpu()))
+    cpu.assert_bf16_close(got, a.nan_to_num(), w.transpose(-2, -1), counts)
+    triton_out = gemm.fp8_grouped_mm(qa, sa, qw, sw, ends, backend="triton")
+    valid = slice(0, sum(counts))
+    # Both sum each 128-deep block on the tensor cores and scale it in FP32: at most one BF16 ulp apart.
+    ulp = 2.0 ** -7 * triton_out[valid].float().abs()
+    assert ((got[valid].float() - triton_out[valid].float()).abs() <= ulp).all()
+    assert torch.equal(got, gemm.fp8_grouped_mm(qa, sa, qw, sw, ends, backend="cuda")), "not deterministic"
+
+
+def test_every_expert_empty_gives_zeros() -> None:
+    qa, sa, qw, sw, ends = operands(0, [0, 0, 0], 256, 256, tail=200)
+    assert (gemm.fp8_grouped_mm(qa, sa, qw, sw, ends, backend="cuda") == 0).all()
+
+
+def test_dgrad_layout_and_strided_scales() -> None:
+    """The input-gradient call as the experts make it: the transposed weight copy and transposed
+    (non-contiguous) weight scales, row-adjacent activation scales in a column-major buffer."""
+    counts = skewed_counts(6, 900, seed=3)
+    (qg, sg), (qw, sw) = cpu.fp8_operands(7, sum(counts), 1024, 768, experts=6)
+    weight = fp8.per_block_cast_back(qw, sw, torch.float32).cuda()
+    qw, sw, qw_t = cpu.casts.per_block_cast_to_fp8_with_transpose(weight)
+    sg = sg.cuda().t().contiguous().t()
+    ends = cpu.ends(counts).cuda()
+    got = gemm.fp8_grouped_mm(qg.cuda(), sg, qw_t, sw.transpose(-2, -1), ends, backend="cuda")
+    g, w = cpu.dequantized((qg, sg.cpu()), (qw.cpu(), sw.cpu()))
+    cpu.assert_bf16_close(got, g, w, counts)
+
+
+def test_operands_tma_cannot_read_fall_back_to_triton() -> None:
+    """A weight whose K is not contiguous: "auto" takes the Triton kernel, "cuda" refuses."""
+    counts = [64, 32]
+    qa, sa, qw, sw, ends = operands(1, counts, 256, 128, tail=0)
+    strided = qw.transpose(-2, -1).contiguous().transpose(-2, -1)
+    assert not gemm.cuda_kernel_runs(qa, strided)
+    with pytest.raises(RuntimeError, match="backend='cuda'"):
+        gemm.fp8_grouped_mm(qa, sa, strided, sw, ends, backend="cuda")
+    assert torch.equal(gemm.fp8_grouped_mm(qa, sa, strided, sw, ends),
+                       gemm.fp8_grouped_mm(qa, sa, qw, sw, ends, backend="triton"))
