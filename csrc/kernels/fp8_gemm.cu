@@ -22,28 +22,37 @@ namespace moe_ep::kernels {
 
 namespace {
 
-constexpr int kTile = 128;  // output rows and columns of a block, and the K depth of one stage (the scale block)
-constexpr int kStages = 6;
+constexpr int kTile = 128;  // rows of a block's tile, the K depth of one stage (the scale block), a column block
 constexpr int kMathWarpgroups = 2;
 constexpr int kThreads = 128 * (kMathWarpgroups + 1);
-constexpr int kOperandBytes = kTile * kTile;  // one e4m3 operand tile of a stage
-[[maybe_unused]] constexpr int kAccum = kTile / 2;            // f32 registers per thread of an m64n128 accumulator
-constexpr int kSwizzleBytes = 1024;           // 128-byte swizzle repeats every 8 rows of 128 bytes
+constexpr int kSmemStages = 4 * 48 * 1024;  // shared memory of the stages: 4 of 128 + 256 rows of 128 bytes
+constexpr int kSwizzleBytes = 1024;      // 128-byte swizzle repeats every 8 rows of 128 bytes
 
+// A block's output tile is 128 x kBlockN: 128 or 256 columns (the wider tile reads a third less
+// from L2 per FLOP; the output width must be a multiple of it).
+template <int kBlockN>
 struct alignas(kSwizzleBytes) GemmSmem {
-    uint8_t a[kStages][kOperandBytes];
-    uint8_t b[kStages][kOperandBytes];
+    static constexpr int kStages = kSmemStages / ((kTile + kBlockN) * kTile);
+    uint8_t a[kStages][kTile * kTile];
+    uint8_t b[kStages][kBlockN * kTile];
     uint64_t full[kStages];   // TMA bytes landed
     uint64_t empty[kStages];  // every math warp done reading
     int expert;               // num_experts: a tile of zero rows past the last segment
     int row_begin;
     int row_end;
 };
-constexpr size_t kSmemBytes = sizeof(GemmSmem) + kSwizzleBytes;  // room to align the base
+template <int kBlockN>
+constexpr size_t kSmemBytes = sizeof(GemmSmem<kBlockN>) + kSwizzleBytes;  // room to align the base
 
 // The device code needs sm_90a (wgmma); other targets compile an empty kernel, which
 // fp8_grouped_gemm_supported() reports.
 #if defined(__CUDA_ARCH_FEAT_SM90_ALL)
+// Registers per thread after the warpgroups rebalance them (setmaxnreg): the producer needs few, the
+// math warpgroups hold 64 x 256 FP32 sums and a 64 x 128 product each.
+constexpr int kProducerRegisters = 40;
+constexpr int kMathRegisters = 232;
+constexpr int kPart = kTile / 2;  // f32 registers per thread of an m64n128 product
+
 // The row tile of launch slot `row_slot`, segments tiled one after another, then the zero tail:
 // (expert, first row, end row). One warp; every lane gets the answer.
 MOE_EP_DEVICE void locate_row_tile(const int* ends, int num_experts, int num_rows, int row_slot, int lane,
@@ -111,7 +120,7 @@ MOE_EP_DEVICE void wgmma_commit() { asm volatile("wgmma.commit_group.sync.aligne
 MOE_EP_DEVICE void wgmma_wait_all() { asm volatile("wgmma.wait_group.sync.aligned 0;" ::: "memory"); }
 
 // d (+)= a[64 x 32] * b[128 x 32]^T, e4m3 operands from shared memory, f32 accumulator.
-MOE_EP_DEVICE void wgmma_m64n128k32(float (&d)[kAccum], uint64_t desc_a, uint64_t desc_b, int accumulate) {
+MOE_EP_DEVICE void wgmma_m64n128k32(float (&d)[kPart], uint64_t desc_a, uint64_t desc_b, int accumulate) {
     asm volatile(
         "{\n.reg .pred p;\nsetp.ne.b32 p, %66, 0;\n"
         "wgmma.mma_async.sync.aligned.m64n128k32.f32.e4m3.e4m3 "
@@ -133,13 +142,14 @@ MOE_EP_DEVICE void wgmma_m64n128k32(float (&d)[kAccum], uint64_t desc_a, uint64_
 
 // The accumulator registers are written by the tensor cores until wgmma_wait_all: keep the compiler
 // from reading them (or moving reads) before that.
-MOE_EP_DEVICE void fence_accumulator(float (&d)[kAccum]) {
+MOE_EP_DEVICE void fence_accumulator(float (&d)[kPart]) {
 #pragma unroll
-    for (int i = 0; i < kAccum; ++i) asm volatile("" : "+f"(d[i])::"memory");
+    for (int i = 0; i < kPart; ++i) asm volatile("" : "+f"(d[i])::"memory");
 }
 
+template <int kBlockN>
 MOE_EP_DEVICE void zero_rows(__nv_bfloat16* out, int64_t out_row_stride, int row_begin, int row_end) {
-    constexpr int kVectorsPerRow = kTile * sizeof(__nv_bfloat16) / sizeof(int4);
+    constexpr int kVectorsPerRow = kBlockN * sizeof(__nv_bfloat16) / sizeof(int4);
     for (int i = threadIdx.x; i < (row_end - row_begin) * kVectorsPerRow; i += kThreads) {
         int4* row = reinterpret_cast<int4*>(out + (row_begin + i / kVectorsPerRow) * out_row_stride);
         row[i % kVectorsPerRow] = make_int4(0, 0, 0, 0);
@@ -147,14 +157,19 @@ MOE_EP_DEVICE void zero_rows(__nv_bfloat16* out, int64_t out_row_stride, int row
 }
 #endif
 
+template <int kBlockN>
 __global__ void __launch_bounds__(kThreads, 1)
     fp8_grouped_gemm_kernel(const __grid_constant__ CUtensorMap a_map, const __grid_constant__ CUtensorMap b_map,
                             const Fp8GroupedGemmArgs args) {
 #if defined(__CUDA_ARCH_FEAT_SM90_ALL)
+    using Smem = GemmSmem<kBlockN>;
+    constexpr int kStages = Smem::kStages;
+    constexpr int kColumnBlocks = kBlockN / kTile;
+    constexpr int kAccum = kColumnBlocks * kPart;
     extern __shared__ uint8_t smem_raw[];
     const uint32_t misalignment = smem_addr(smem_raw) % kSwizzleBytes;
-    GemmSmem& smem = *reinterpret_cast<GemmSmem*>(smem_raw + (kSwizzleBytes - misalignment) % kSwizzleBytes);
-    const int num_col_tiles = args.n_out / kTile;
+    Smem& smem = *reinterpret_cast<Smem*>(smem_raw + (kSwizzleBytes - misalignment) % kSwizzleBytes);
+    const int num_col_tiles = args.n_out / kBlockN;
     // Column tiles vary fastest: the blocks resident together share rows of `a` and one expert's weight.
     const int col_tile = blockIdx.x % num_col_tiles;
     const int row_slot = blockIdx.x / num_col_tiles;
@@ -173,75 +188,87 @@ __global__ void __launch_bounds__(kThreads, 1)
     }
     __syncthreads();
     const int expert = smem.expert, row_begin = smem.row_begin, row_end = smem.row_end;
-    __nv_bfloat16* out = args.out + col_tile * kTile;
+    __nv_bfloat16* out = args.out + col_tile * kBlockN;
     if (row_begin >= row_end) return;
     if (expert == args.num_experts) {
-        zero_rows(out, args.out_row_stride, row_begin, row_end);
+        zero_rows<kBlockN>(out, args.out_row_stride, row_begin, row_end);
         return;
     }
     const int num_k_blocks = args.depth / kTile;
     const int warpgroup = threadIdx.x / 128;
 
     if (warpgroup == kMathWarpgroups) {
+        asm volatile("setmaxnreg.dec.sync.aligned.u32 %0;" ::"n"(kProducerRegisters));
         if (threadIdx.x % 128 == 0) {
             for (int kb = 0; kb < num_k_blocks; ++kb) {
                 const int stage = kb % kStages;
                 if (kb >= kStages) mbar_spin(&smem.empty[stage], (kb / kStages - 1) & 1);
-                mbar_arrive_expect_tx(&smem.full[stage], 2 * kOperandBytes);
+                mbar_arrive_expect_tx(&smem.full[stage], (kTile + kBlockN) * kTile);
                 tma_load_2d(smem.a[stage], &a_map, &smem.full[stage], kb * kTile, row_begin);
-                tma_load_3d(smem.b[stage], &b_map, &smem.full[stage], kb * kTile, col_tile * kTile, expert);
+                tma_load_3d(smem.b[stage], &b_map, &smem.full[stage], kb * kTile, col_tile * kBlockN, expert);
             }
         }
-        return;
-    }
+    } else {
+        asm volatile("setmaxnreg.inc.sync.aligned.u32 %0;" ::"n"(kMathRegisters));
+        // Accumulator layout of m64nN: warp w of the warpgroup holds rows 16w + lane/4 and 8 below; the
+        // register pair 4j, 4j+1 holds columns 8j + 2(lane%4) + {0, 1} of the first, 4j+2, 4j+3 of the
+        // second. acc holds the column blocks one after another.
+        const int row_0 = row_begin + warpgroup * 64 + (warp % 4) * 16 + lane / 4;
+        const int row_1 = row_0 + 8;
+        // Rows past the end still go through the tensor cores (TMA fills them); their scale rows are clamped.
+        const float* a_scale_0 = args.a_scales + min(row_0, args.num_rows - 1) * args.a_scale_row_stride;
+        const float* a_scale_1 = args.a_scales + min(row_1, args.num_rows - 1) * args.a_scale_row_stride;
+        const float* b_scale =
+            args.b_scales + expert * args.b_scale_expert_stride + col_tile * kColumnBlocks * args.b_scale_row_stride;
+        float acc[kAccum], part[kPart];
+#pragma unroll
+        for (int i = 0; i < kAccum; ++i) acc[i] = 0.0f;
+        float a_0 = a_scale_0[0], a_1 = a_scale_1[0], b[kColumnBlocks];
+#pragma unroll
+        for (int c = 0; c < kColumnBlocks; ++c) b[c] = b_scale[c * args.b_scale_row_stride];
+        for (int kb = 0; kb < num_k_blocks; ++kb) {
+            const int stage = kb % kStages;
+            mbar_spin(&smem.full[stage], (kb / kStages) & 1);
+            const uint64_t desc_a = smem_descriptor(smem.a[stage] + warpgroup * 64 * kTile);
+#pragma unroll
+            for (int c = 0; c < kColumnBlocks; ++c) {
+                const uint64_t desc_b = smem_descriptor(smem.b[stage] + c * kTile * kTile);
+                wgmma_fence();
+#pragma unroll
+                for (int k = 0; k < kTile / 32; ++k) {
+                    // 32 bytes further along K inside the swizzled rows: +2 in the 16-byte address field.
+                    wgmma_m64n128k32(part, desc_a + 2 * k, desc_b + 2 * k, k > 0);
+                }
+                wgmma_commit();
+                wgmma_wait_all();
+                fence_accumulator(part);
+                if (c == kColumnBlocks - 1 && lane == 0) mbar_arrive(&smem.empty[stage]);
+                const float scale_0 = a_0 * b[c], scale_1 = a_1 * b[c];
+                if (c == kColumnBlocks - 1 && kb + 1 < num_k_blocks) {
+                    // The next K block's scales, loaded while this block's last products are summed.
+                    a_0 = a_scale_0[(kb + 1) * args.a_scale_k_stride];
+                    a_1 = a_scale_1[(kb + 1) * args.a_scale_k_stride];
+#pragma unroll
+                    for (int n = 0; n < kColumnBlocks; ++n) {
+                        b[n] = b_scale[n * args.b_scale_row_stride + (kb + 1) * args.b_scale_k_stride];
+                    }
+                }
+#pragma unroll
+                for (int i = 0; i < kPart; ++i) acc[c * kPart + i] += part[i] * (i & 2 ? scale_1 : scale_0);
+            }
+        }
 
-    // Accumulator layout of m64nN: warp w of the warpgroup holds rows 16w + lane/4 and 8 below; the
-    // register pair 4j, 4j+1 holds columns 8j + 2(lane%4) + {0, 1} of the first, 4j+2, 4j+3 of the second.
-    const int row_0 = row_begin + warpgroup * 64 + (warp % 4) * 16 + lane / 4;
-    const int row_1 = row_0 + 8;
-    // Rows past the end still go through the tensor cores (TMA fills them); their scale rows are clamped.
-    const float* a_scale_0 = args.a_scales + min(row_0, args.num_rows - 1) * args.a_scale_row_stride;
-    const float* a_scale_1 = args.a_scales + min(row_1, args.num_rows - 1) * args.a_scale_row_stride;
-    const float* b_scale = args.b_scales + expert * args.b_scale_expert_stride + col_tile * args.b_scale_row_stride;
-    float acc[kAccum], part[kAccum];
+        const int col = 2 * (lane % 4);
 #pragma unroll
-    for (int i = 0; i < kAccum; ++i) acc[i] = 0.0f;
-    float next_a_0 = a_scale_0[0], next_a_1 = a_scale_1[0], next_b = b_scale[0];
-    for (int kb = 0; kb < num_k_blocks; ++kb) {
-        const float scale_0 = next_a_0 * next_b, scale_1 = next_a_1 * next_b;
-        if (kb + 1 < num_k_blocks) {  // a K block ahead: these loads' latency hides behind this block
-            next_a_0 = a_scale_0[(kb + 1) * args.a_scale_k_stride];
-            next_a_1 = a_scale_1[(kb + 1) * args.a_scale_k_stride];
-            next_b = b_scale[(kb + 1) * args.b_scale_k_stride];
-        }
-        const int stage = kb % kStages;
-        mbar_spin(&smem.full[stage], (kb / kStages) & 1);
-        const uint64_t desc_a = smem_descriptor(smem.a[stage] + warpgroup * 64 * kTile);
-        const uint64_t desc_b = smem_descriptor(smem.b[stage]);
-        wgmma_fence();
-#pragma unroll
-        for (int k = 0; k < kTile / 32; ++k) {
-            // 32 bytes further along K inside the swizzled rows: +2 in the 16-byte address field.
-            wgmma_m64n128k32(part, desc_a + 2 * k, desc_b + 2 * k, k > 0);
-        }
-        wgmma_commit();
-        wgmma_wait_all();
-        fence_accumulator(part);
-        if (lane == 0) mbar_arrive(&smem.empty[stage]);
-#pragma unroll
-        for (int i = 0; i < kAccum; ++i) acc[i] += part[i] * (i & 2 ? scale_1 : scale_0);
-    }
-
-    const int col = 2 * (lane % 4);
-#pragma unroll
-    for (int j = 0; j < kAccum / 4; ++j) {
-        if (row_0 < row_end) {
-            *reinterpret_cast<__nv_bfloat162*>(out + row_0 * args.out_row_stride + 8 * j + col) =
-                __floats2bfloat162_rn(acc[4 * j], acc[4 * j + 1]);
-        }
-        if (row_1 < row_end) {
-            *reinterpret_cast<__nv_bfloat162*>(out + row_1 * args.out_row_stride + 8 * j + col) =
-                __floats2bfloat162_rn(acc[4 * j + 2], acc[4 * j + 3]);
+        for (int j = 0; j < kAccum / 4; ++j) {
+            if (row_0 < row_end) {
+                *reinterpret_cast<__nv_bfloat162*>(out + row_0 * args.out_row_stride + 8 * j + col) =
+                    __floats2bfloat162_rn(acc[4 * j], acc[4 * j + 1]);
+            }
+            if (row_1 < row_end) {
+                *reinterpret_cast<__nv_bfloat162*>(out + row_1 * args.out_row_stride + 8 * j + col) =
+                    __floats2bfloat162_rn(acc[4 * j + 2], acc[4 * j + 3]);
+            }
         }
     }
 #endif
@@ -269,17 +296,41 @@ PFN_cuTensorMapEncodeTiled_v12000 tensor_map_encoder() {
     return encode;
 }
 
-// A TMA map of e4m3 rows (innermost dimension K, contiguous) read in 128 x 128-byte boxes with the
-// 128-byte swizzle; rows outside the tensor read as zeros.
+// A TMA map of e4m3 rows (innermost dimension K, contiguous) read in boxes of `box_rows` x 128 bytes
+// with the 128-byte swizzle; rows outside the tensor read as zeros.
 bool encode_operand_map(CUtensorMap* map, const void* base, int rank, const cuuint64_t* dims,
-                        const cuuint64_t* byte_strides) {
+                        const cuuint64_t* byte_strides, int box_rows) {
     const PFN_cuTensorMapEncodeTiled_v12000 encode = tensor_map_encoder();
     if (encode == nullptr) return false;
-    const cuuint32_t box[3] = {kTile, kTile, 1};
+    const cuuint32_t box[3] = {kTile, static_cast<cuuint32_t>(box_rows), 1};
     const cuuint32_t element_strides[3] = {1, 1, 1};
     return encode(map, CU_TENSOR_MAP_DATA_TYPE_UINT8, rank, const_cast<void*>(base), dims, byte_strides, box,
                   element_strides, CU_TENSOR_MAP_INTERLEAVE_NONE, CU_TENSOR_MAP_SWIZZLE_128B,
                   CU_TENSOR_MAP_L2_PROMOTION_L2_256B, CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE) == CUDA_SUCCESS;
+}
+
+template <int kBlockN>
+cudaError_t launch_tiles(const Fp8GroupedGemmArgs& args, cudaStream_t stream) {
+    CUtensorMap a_map, b_map;
+    const cuuint64_t a_dims[2] = {static_cast<cuuint64_t>(args.depth), static_cast<cuuint64_t>(args.num_rows)};
+    const cuuint64_t a_strides[1] = {static_cast<cuuint64_t>(args.a_row_stride)};
+    const cuuint64_t b_dims[3] = {static_cast<cuuint64_t>(args.depth), static_cast<cuuint64_t>(args.n_out),
+                                  static_cast<cuuint64_t>(args.num_experts)};
+    const cuuint64_t b_strides[2] = {static_cast<cuuint64_t>(args.b_row_stride),
+                                     static_cast<cuuint64_t>(args.b_expert_stride)};
+    if (!encode_operand_map(&a_map, args.a, 2, a_dims, a_strides, kTile) ||
+        !encode_operand_map(&b_map, args.b, 3, b_dims, b_strides, kBlockN)) {
+        return cudaErrorInvalidValue;
+    }
+    static const cudaError_t attribute =
+        cudaFuncSetAttribute(fp8_grouped_gemm_kernel<kBlockN>, cudaFuncAttributeMaxDynamicSharedMemorySize,
+                             static_cast<int>(kSmemBytes<kBlockN>));
+    if (attribute != cudaSuccess) return attribute;
+    // Every segment wastes at most one partial tile, and the zero tail takes at most one more.
+    const int row_slots = (args.num_rows + kTile - 1) / kTile + args.num_experts + 1;
+    const int blocks = row_slots * (args.n_out / kBlockN);
+    fp8_grouped_gemm_kernel<kBlockN><<<blocks, kThreads, kSmemBytes<kBlockN>, stream>>>(a_map, b_map, args);
+    return cudaGetLastError();
 }
 
 }  // namespace
@@ -300,25 +351,7 @@ bool fp8_grouped_gemm_supported() {
 }
 
 cudaError_t launch_fp8_grouped_gemm(const Fp8GroupedGemmArgs& args, cudaStream_t stream) {
-    CUtensorMap a_map, b_map;
-    const cuuint64_t a_dims[2] = {static_cast<cuuint64_t>(args.depth), static_cast<cuuint64_t>(args.num_rows)};
-    const cuuint64_t a_strides[1] = {static_cast<cuuint64_t>(args.a_row_stride)};
-    const cuuint64_t b_dims[3] = {static_cast<cuuint64_t>(args.depth), static_cast<cuuint64_t>(args.n_out),
-                                  static_cast<cuuint64_t>(args.num_experts)};
-    const cuuint64_t b_strides[2] = {static_cast<cuuint64_t>(args.b_row_stride),
-                                     static_cast<cuuint64_t>(args.b_expert_stride)};
-    if (!encode_operand_map(&a_map, args.a, 2, a_dims, a_strides) ||
-        !encode_operand_map(&b_map, args.b, 3, b_dims, b_strides)) {
-        return cudaErrorInvalidValue;
-    }
-    static const cudaError_t attribute = cudaFuncSetAttribute(
-        fp8_grouped_gemm_kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, static_cast<int>(kSmemBytes));
-    if (attribute != cudaSuccess) return attribute;
-    // Every segment wastes at most one partial tile, and the zero tail takes at most one more.
-    const int row_slots = (args.num_rows + kTile - 1) / kTile + args.num_experts + 1;
-    const int blocks = row_slots * (args.n_out / kTile);
-    fp8_grouped_gemm_kernel<<<blocks, kThreads, kSmemBytes, stream>>>(a_map, b_map, args);
-    return cudaGetLastError();
+    return args.n_out % 256 == 0 ? launch_tiles<256>(args, stream) : launch_tiles<128>(args, stream);
 }
 
 }  // namespace moe_ep::kernels

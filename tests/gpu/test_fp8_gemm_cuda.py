@@ -35,9 +35,10 @@ def operands(seed: int, counts: list[int], depth: int, width: int, tail: int):
 
 
 @pytest.mark.parametrize("num_experts, rows, depth, width", [
-    (8, 1000, 2048, 512),    # 16 K blocks: the 6-stage ring wraps twice
+    (8, 1000, 2048, 512),    # 16 K blocks: the stage ring wraps 3 times; 256-column tiles
     (16, 3000, 7168, 256),   # the gate/up projection's depth: 56 K blocks
     (5, 700, 512, 1024),     # fewer K blocks than stages, many column tiles
+    (7, 900, 1536, 640),     # 128-column tiles (640 is no multiple of 256), 12 K blocks
     (1, 130, 128, 128),      # one expert, one K block, a segment one row past a tile
 ])
 def test_matches_float64_reference_and_triton(num_experts: int, rows: int, depth: int, width: int) -> None:
@@ -63,7 +64,8 @@ def test_dgrad_layout_and_strided_scales() -> None:
     """The input-gradient call as the experts make it: the transposed weight copy and transposed
     (non-contiguous) weight scales, row-adjacent activation scales in a column-major buffer."""
     counts = skewed_counts(6, 900, seed=3)
-    (qg, sg), (qw, sw) = cpu.fp8_operands(7, sum(counts), 1024, 768, experts=6)
+    (qg, sg), _ = cpu.fp8_operands(7, sum(counts), 768, 128, experts=1)  # gradients [N, M]
+    _, (qw, sw) = cpu.fp8_operands(8, 16, 1024, 768, experts=6)          # weights [E, M, K]
     weight = fp8.per_block_cast_back(qw, sw, torch.float32).cuda()
     qw, sw, qw_t = cpu.casts.per_block_cast_to_fp8_with_transpose(weight)
     sg = sg.cuda().t().contiguous().t()
