@@ -322,7 +322,8 @@ cudaError_t launch_tiles(const Fp8GroupedGemmArgs& args, cudaStream_t stream) {
         !encode_operand_map(&b_map, args.b, 3, b_dims, b_strides, kBlockN)) {
         return cudaErrorInvalidValue;
     }
-    static const cudaError_t attribute =
+    // Per launch, not once per process: the limit belongs to the current device's context.
+    const cudaError_t attribute =
         cudaFuncSetAttribute(fp8_grouped_gemm_kernel<kBlockN>, cudaFuncAttributeMaxDynamicSharedMemorySize,
                              static_cast<int>(kSmemBytes<kBlockN>));
     if (attribute != cudaSuccess) return attribute;
