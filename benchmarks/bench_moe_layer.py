@@ -32,7 +32,7 @@ from moe_ep.layers import MoEConfig, MoELayer, MoETokenDispatcher
 from moe_ep.layers.moe_layer import shared_buffer
 from moe_ep.ops import fp8
 from moe_ep.ops.backends import cuda_extension_available
-from timing import median_time_us
+from timing import every_rank, median_time_us, median_time_us_per_rank
 
 
 def make_config(args: argparse.Namespace, use_fp8: bool) -> MoEConfig:
@@ -89,14 +89,28 @@ class LayerBench:
         return routed.tokens, routed.tokens_per_expert, routed.tokens_per_expert_list
 
 
-def expert_results(bench: LayerBench, args: argparse.Namespace) -> dict[str, float]:
+def profile_expert_step(step, label: str) -> None:
+    """Print the kernels of one expert step by GPU time (rank 0)."""
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
+        step()
+        torch.cuda.synchronize()
+    if dist.get_rank() == 0:
+        print(f"{label} expert step on rank 0, kernels by GPU time", flush=True)
+        print(prof.key_averages().table(sort_by="self_device_time_total", row_limit=15, max_name_column_width=70))
+
+
+def expert_results(bench: LayerBench, args: argparse.Namespace) -> dict:
+    """Expert MLP times: the slowest rank's as `<run>_us`, and every rank's rows and times under `per_rank`."""
     experts = bench.layer.experts
     tokens, counts, counts_list = bench.expert_inputs()
     gen = torch.Generator(device=tokens.device).manual_seed(7)
     grad = torch.randn(tokens.shape, device=tokens.device, generator=gen).to(torch.bfloat16)
     tokens_8 = fp8.per_token_cast_to_fp8(tokens)
+    per_rank = {"rows": every_rank(float(tokens.size(0))),
+                "largest_expert_rows": every_rank(float(counts.max())),
+                "empty_experts": every_rank(float((counts == 0).sum()))}
 
-    def run(use_fp8: bool, fp8_tokens: bool, cached_casts: bool = False) -> float:
+    def run(name: str, use_fp8: bool, fp8_tokens: bool, cached_casts: bool = False) -> None:
         experts.use_fp8 = use_fp8
         experts.cache_fp8_weights = cached_casts  # off again: the next forward drops the cached casts
 
@@ -110,15 +124,22 @@ def expert_results(bench: LayerBench, args: argparse.Namespace) -> dict[str, flo
             out.backward(grad)
 
         try:
-            return median_time_us(step, args.warmup, args.iters)
+            per_rank[f"{name}_us"] = median_time_us_per_rank(step, args.warmup, args.iters)
+            if args.profile_experts and name in ("bf16", "fp8_cached"):
+                profile_expert_step(step, name)
         finally:
             experts.cache_fp8_weights = False
 
-    result = {"rows": tokens.size(0), "bf16_us": run(False, False),
-              "fp8_us": run(True, False), "fp8_cached_us": run(True, False, cached_casts=True),
-              "fp8_tokens_us": run(True, True), "fp8_tokens_cached_us": run(True, True, cached_casts=True)}
-    for name in ("fp8", "fp8_cached", "fp8_tokens", "fp8_tokens_cached"):
-        result[f"{name}_speedup"] = result["bf16_us"] / result[f"{name}_us"]
+    run("bf16", False, False)
+    run("fp8", True, False)
+    run("fp8_cached", True, False, cached_casts=True)
+    run("fp8_tokens", True, True)
+    run("fp8_tokens_cached", True, True, cached_casts=True)
+    result = {"rows": tokens.size(0), "per_rank": per_rank}
+    for name in ("bf16", "fp8", "fp8_cached", "fp8_tokens", "fp8_tokens_cached"):
+        result[f"{name}_us"] = max(per_rank[f"{name}_us"])
+        if name != "bf16":
+            result[f"{name}_speedup"] = result["bf16_us"] / result[f"{name}_us"]
     return result
 
 
@@ -157,7 +178,8 @@ def table(report: dict) -> str:
     for name, row in report["layer"].items():
         lines.append(f"{name:16s} {row['fwd_bwd_us']:9.0f}  {row['comm_us']:9.0f}  {row['comm_share']:9.0%}")
     e = report["experts"]
-    lines.append(f"experts fwd+bwd ({e['rows']} rows)  time(us)  vs bf16")
+    rows = ", ".join(f"{r:.0f}" for r in e["per_rank"]["rows"])
+    lines.append(f"experts fwd+bwd (rows per rank: {rows}; slowest rank)  time(us)  vs bf16")
     for name, label in (("bf16", "bf16"), ("fp8", "fp8, weights cast every step"),
                         ("fp8_cached", "fp8, cached weight casts"), ("fp8_tokens", "fp8 tokens, cast every step"),
                         ("fp8_tokens_cached", "fp8 tokens, cached casts")):
@@ -178,6 +200,8 @@ def main() -> None:
     parser.add_argument("--topk", type=int, default=8)
     parser.add_argument("--static-layout", action="store_true",
                         help="num_worst_tokens = all tokens: static shapes, no host sync (larger layout)")
+    parser.add_argument("--profile-experts", action="store_true",
+                        help="print the kernels of one BF16 and one cached FP8 expert step (rank 0)")
     parser.add_argument("--warmup", type=int, default=3)
     parser.add_argument("--iters", type=int, default=10)
     args = parser.parse_args()

@@ -10,11 +10,16 @@ import torch
 import torch.distributed as dist
 
 
+def every_rank(value: float) -> list[float]:
+    """`value` of every rank, in rank order."""
+    values = torch.empty(dist.get_world_size(), dtype=torch.float64, device="cuda")
+    dist.all_gather_into_tensor(values, torch.tensor([value], dtype=torch.float64, device="cuda"))
+    return values.tolist()
+
+
 def slowest_rank(value: float) -> float:
     """The largest `value` over all ranks: the slowest rank bounds a collective operation."""
-    tensor = torch.tensor([value], device="cuda")
-    dist.all_reduce(tensor, op=dist.ReduceOp.MAX)
-    return float(tensor.item())
+    return max(every_rank(value))
 
 
 def local_median_us(fn: Callable[[], object], warmup: int = 5, iters: int = 20,
@@ -43,6 +48,11 @@ def _in_step() -> None:
 def median_time_us(fn: Callable[[], object], warmup: int, iters: int) -> float:
     """Median GPU time of `fn` with every run started in step on all ranks; the slowest rank's."""
     return slowest_rank(local_median_us(fn, warmup, iters, before_each=_in_step))
+
+
+def median_time_us_per_rank(fn: Callable[[], object], warmup: int, iters: int) -> list[float]:
+    """Median GPU time of `fn` on every rank, runs started in step on all ranks."""
+    return every_rank(local_median_us(fn, warmup, iters, before_each=_in_step))
 
 
 def kernel_median_us(fn: Callable[[], object], kernels: dict[str, str], iters: int) -> dict[str, float]:
