@@ -1,4 +1,5 @@
-"""Build script: pure Python on CPU machines, plus the `moe_ep._C` CUDA extension where it can be built.
+"""Build script: pure Python on CPU machines, plus the CUDA extensions where they can be built:
+`moe_ep._C` (the communication kernels and runtime) and `moe_ep._fp8_gemm` (the grouped FP8 GEMM).
 
 `MOE_EP_BUILD_CUDA=1` forces the extension (failing loudly if it cannot be built), `=0` skips it;
 unset, it is built when the installed torch has CUDA and `nvcc` is found. Low-latency-mode sources
@@ -46,8 +47,13 @@ def _is_low_latency(path: str) -> bool:
     return any(marker in Path(path).name for marker in ("low_latency", "nvshmem"))
 
 
+def _is_fp8_gemm(path: str) -> bool:
+    """The FP8 GEMM (binding and kernel) is a module of its own: never relocatable device code."""
+    return Path(path).stem == "fp8_gemm"
+
+
 def _sources() -> list[str]:
-    return [f for f in _all_sources() if not _is_low_latency(f)]
+    return [f for f in _all_sources() if not _is_low_latency(f) and not _is_fp8_gemm(f)]
 
 
 def _low_latency_sources() -> list[str]:
@@ -67,21 +73,27 @@ def _nvshmem_dir() -> str | None:
     return str(Path(nvshmem.__path__[0]))
 
 
-def _cuda_extension():
-    from torch.utils.cpp_extension import CUDA_HOME, CUDAExtension
+def _common_flags() -> tuple[list[str], list[str], list[str]]:
+    """(include dirs, nvcc flags, cxx flags) shared by both extensions."""
+    from torch.utils.cpp_extension import CUDA_HOME
 
     os.environ.setdefault("TORCH_CUDA_ARCH_LIST", "9.0a")  # sm_90a: the FP8 GEMM uses wgmma
     include_dirs = [str(ROOT / "csrc"), str(ROOT / "csrc" / "kernels"), os.path.join(CUDA_HOME, "include", "cccl")]
-    sources = _sources()
     # No -std here: BuildExtension picks the standard the installed torch headers need (C++17 or 20);
     # the kernels themselves stay valid C++17 (CI compiles them alone).
     # torch's default nvcc flags hide the half/bfloat16 operators, which NVSHMEM's headers use.
     nvcc_flags = ["-O3", "--expt-relaxed-constexpr", "-lineinfo"] + [
         f"-U__CUDA_NO_{kind}__" for kind in ("HALF_OPERATORS", "HALF_CONVERSIONS", "HALF2_OPERATORS",
                                              "BFLOAT16_OPERATORS", "BFLOAT16_CONVERSIONS", "BFLOAT162_OPERATORS")]
-    cxx_flags = ["-O3"]
+    return include_dirs, nvcc_flags, ["-O3"]
+
+
+def _cuda_extension():
+    from torch.utils.cpp_extension import CUDAExtension
+
+    include_dirs, nvcc_flags, cxx_flags = _common_flags()
+    sources = _sources()
     library_dirs: list[str] = []
-    libraries: list[str] = []
     extra_link: list[str] = []
     if os.environ.get("MOE_EP_PROFILE") == "1":
         # Per-phase timing inside the dispatch/combine kernels (moe_ep._C.last_profile); off by default.
@@ -109,9 +121,20 @@ def _cuda_extension():
         sources=sources,
         include_dirs=include_dirs,
         library_dirs=library_dirs,
-        libraries=libraries,
         extra_compile_args=compile_args,
         extra_link_args=extra_link,
+    )
+
+
+def _fp8_gemm_extension():
+    from torch.utils.cpp_extension import CUDAExtension
+
+    include_dirs, nvcc_flags, cxx_flags = _common_flags()
+    return CUDAExtension(
+        name="moe_ep._fp8_gemm",
+        sources=[f for f in _all_sources() if _is_fp8_gemm(f)],
+        include_dirs=include_dirs,
+        extra_compile_args={"cxx": cxx_flags, "nvcc": nvcc_flags},
     )
 
 
@@ -120,7 +143,7 @@ cmdclass = {}
 if _want_cuda():
     from torch.utils.cpp_extension import BuildExtension
 
-    ext_modules = [_cuda_extension()]
+    ext_modules = [_cuda_extension(), _fp8_gemm_extension()]
     cmdclass = {"build_ext": BuildExtension.with_options(use_ninja=True)}
 
 setup(ext_modules=ext_modules, cmdclass=cmdclass)

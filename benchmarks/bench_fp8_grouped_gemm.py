@@ -3,7 +3,7 @@
 DeepSeek-V3 expert shapes on one rank: 64 local experts, about 32768 expert-major rows in uneven
 segments padded to 16 rows; the gate/up projection (K 7168 -> M 4096) and the down projection
 (K 2048 -> M 7168). For each: forward and input gradient (dgrad: the same kernel against the
-transposed FP8 weight), FP8 (the `moe_ep._C` wgmma kernel where built, and Triton) vs BF16,
+transposed FP8 weight), FP8 (the `moe_ep._fp8_gemm` wgmma kernel where built, and Triton) vs BF16,
 CUDA-event medians; Triton's autotuned tile and every tile's time;
 the fused Triton casts (1x128 rows of the GEMM input and of the output gradient, the input rows cast
 back to BF16, 128x128 weight cast with its transposed copy) against the torch reference casts, which

@@ -4,7 +4,6 @@
 PYBIND11_MODULE(_C, m) {
     m.doc() = "moe_ep CUDA kernels";
     moe_ep::register_intranode(m);
-    moe_ep::register_fp8_gemm(m);
 #ifdef MOE_EP_WITH_LOW_LATENCY
     moe_ep::register_low_latency(m);
 #endif

@@ -6,7 +6,6 @@
 namespace moe_ep {
 
 void register_intranode(py::module_& m);  // csrc/intranode.cpp: normal mode over NVLink
-void register_fp8_gemm(py::module_& m);    // csrc/fp8_gemm.cpp: grouped blockwise FP8 GEMM
 
 #ifdef MOE_EP_WITH_LOW_LATENCY
 void register_low_latency(py::module_& m);  // low-latency mode, built when its sources are present

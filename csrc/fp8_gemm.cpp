@@ -1,10 +1,11 @@
-// Torch binding of the grouped blockwise FP8 GEMM (csrc/kernels/fp8_gemm.cu): argument checks, the
-// output allocation and the launch on the current stream.
+// The `moe_ep._fp8_gemm` extension module: the grouped blockwise FP8 GEMM (csrc/kernels/fp8_gemm.cu)
+// with its argument checks, the output allocation and the launch on the current stream.
+// A module apart from `moe_ep._C`: NVSHMEM makes `_C` relocatable device code (-rdc), and under -rdc
+// ptxas ignores the kernel's setmaxnreg register budget and spills its accumulators (2.4x slower).
 #include <c10/cuda/CUDAGuard.h>
 #include <c10/cuda/CUDAStream.h>
 #include <torch/extension.h>
 
-#include "bindings.hpp"
 #include "kernels/api.cuh"
 
 namespace moe_ep {
@@ -29,7 +30,7 @@ void check_operand(const Tensor& t, const char* name, int64_t dims) {
 Tensor fp8_grouped_mm(const Tensor& a, const Tensor& a_scales, const Tensor& b, const Tensor& b_scales,
                       const Tensor& ends) {
     TORCH_CHECK(kernels::fp8_grouped_gemm_supported(),
-                "fp8_grouped_mm: moe_ep._C was not built for sm_90a or the driver cannot encode TMA maps");
+                "fp8_grouped_mm: moe_ep._fp8_gemm was not built for sm_90a or the driver cannot encode TMA maps");
     check_operand(a, "a", 2);
     check_operand(b, "b", 3);
     const int64_t num_rows = a.size(0), depth = a.size(1), num_experts = b.size(0), n_out = b.size(1);
@@ -83,7 +84,12 @@ Tensor fp8_grouped_mm(const Tensor& a, const Tensor& a_scales, const Tensor& b, 
 
 }  // namespace
 
-void register_fp8_gemm(py::module_& m) {
+}  // namespace moe_ep
+
+PYBIND11_MODULE(_fp8_gemm, m) {
+    using moe_ep::fp8_grouped_mm;
+    namespace kernels = moe_ep::kernels;
+    m.doc() = "moe_ep grouped blockwise FP8 GEMM (sm_90a)";
     m.def("fp8_grouped_mm", &fp8_grouped_mm, py::arg("a"), py::arg("a_scales"), py::arg("b"), py::arg("b_scales"),
           py::arg("ends"),
           "Grouped e4m3 GEMM with 1x128 / 128x128 block scales: [N, K] x [E, N_OUT, K] -> [N, N_OUT] BF16; rows "
@@ -91,5 +97,3 @@ void register_fp8_gemm(py::module_& m) {
     m.def("fp8_grouped_mm_supported", &kernels::fp8_grouped_gemm_supported,
           "Whether the grouped FP8 GEMM can run here (sm_90a build, TMA map encoder found).");
 }
-
-}  // namespace moe_ep

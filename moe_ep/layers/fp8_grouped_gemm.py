@@ -1,4 +1,4 @@
-"""Grouped FP8 GEMM with DeepSeek-V3 blockwise scaling: the CUDA kernel of `moe_ep._C`, or Triton.
+"""Grouped FP8 GEMM with DeepSeek-V3 blockwise scaling: the CUDA kernel of `moe_ep._fp8_gemm`, or Triton.
 
 Computes, for every expert `e` owning a contiguous segment of rows of an expert-major `[N, K]`
 activation,
@@ -10,7 +10,7 @@ one float32 scale per 128x128 block. Each 128-wide K block is multiplied on the 
 added to an FP32 accumulator with its two scales applied (as DeepGEMM does); the result is BF16.
 Rows past the last segment are written as zeros.
 
-Two implementations of the same arithmetic: the TMA + wgmma kernel of `moe_ep._C`
+Two implementations of the same arithmetic: the TMA + wgmma kernel of `moe_ep._fp8_gemm`
 (`csrc/kernels/fp8_gemm.cu`, sm_90a: a producer warp feeding two math warpgroups) where the
 extension is built, and the Triton kernel below everywhere else (and in Triton's interpreter on CPU).
 
@@ -175,12 +175,12 @@ Backend = Literal["auto", "cuda", "triton"]
 
 @cache
 def _cuda_kernels():
-    """`moe_ep._C` when it holds a runnable FP8 GEMM (sm_90a build, TMA map encoder), else None."""
+    """`moe_ep._fp8_gemm` when it is built and runnable here (sm_90a build, TMA map encoder), else None."""
     try:
-        ext = importlib.import_module("moe_ep._C")
+        ext = importlib.import_module("moe_ep._fp8_gemm")
     except ImportError:
         return None
-    return ext if hasattr(ext, "fp8_grouped_mm") and ext.fp8_grouped_mm_supported() else None
+    return ext if ext.fp8_grouped_mm_supported() else None
 
 
 def _tma_readable(t: torch.Tensor) -> bool:
@@ -208,7 +208,7 @@ def fp8_grouped_mm(a: torch.Tensor, a_scales: torch.Tensor, b: torch.Tensor, b_s
             `[ends[e-1], ends[e])`); rows from `ends[-1]` on are zeros.
         config: one of `CONFIGS` (or any tile whose width divides N_OUT) to run the Triton kernel
             with instead of the autotuned choice.
-        backend: "cuda" (the `moe_ep._C` kernel; an error where it cannot run these operands),
+        backend: "cuda" (the `moe_ep._fp8_gemm` kernel; an error where it cannot run these operands),
             "triton", or "auto": the CUDA kernel where `cuda_kernel_runs`, else Triton.
     """
     num_rows, depth = a.shape
@@ -227,7 +227,7 @@ def fp8_grouped_mm(a: torch.Tensor, a_scales: torch.Tensor, b: torch.Tensor, b_s
     if backend not in ("auto", "cuda", "triton"):
         raise ValueError(f"backend: expected 'auto', 'cuda' or 'triton', got {backend!r}")
     if backend == "cuda" and not cuda_kernel_runs(a, b):
-        raise RuntimeError("backend='cuda': the moe_ep._C FP8 GEMM cannot run here (it needs an sm_90a build on an "
+        raise RuntimeError("backend='cuda': the moe_ep._fp8_gemm FP8 GEMM cannot run here (it needs an sm_90a build on an "
                            "sm_90 GPU, and K-contiguous operands with 16-byte aligned starts and strides)")
     if backend == "cuda" or (backend == "auto" and config is None and cuda_kernel_runs(a, b)):
         return _cuda_kernels().fp8_grouped_mm(a, a_scales, b, b_scales, ends)

@@ -13,7 +13,7 @@ from moe_ep.ops import fp8
 gemm = cpu.gemm
 pytestmark = pytest.mark.skipif(
     not torch.cuda.is_available() or torch.cuda.get_device_capability() != (9, 0) or gemm._cuda_kernels() is None,
-    reason="needs an sm_90 GPU and moe_ep._C built for sm_90a")
+    reason="needs an sm_90 GPU and moe_ep._fp8_gemm built for sm_90a")
 
 
 def skewed_counts(num_experts: int, rows: int, seed: int) -> list[int]:
