@@ -164,17 +164,34 @@ def test_packed_layout_ignores_rows_past_each_count() -> None:
     assert packed.grad[0, 5:].abs().sum() == 0
 
 
-def test_grouped_mm_path_matches_reference(monkeypatch) -> None:
-    """The GPU path (one grouped GEMM per projection, device offsets), run through torch's CPU kernel."""
+@pytest.mark.parametrize("num_rows", [NUM_ROWS, sum(COUNTS)], ids=["nan_tail", "no_tail"])
+@pytest.mark.parametrize("host_counts", [False, True], ids=["device_counts", "host_counts"])
+def test_grouped_mm_path_matches_reference(monkeypatch, num_rows: int, host_counts: bool) -> None:
+    """The GPU path (one grouped GEMM per projection, device offsets), run through torch's CPU kernel.
+    Host counts that cover every row let it skip the masks; NaN rows past the segments must still
+    never reach a result."""
     module = make_experts()
-    upstream = torch.randn(NUM_ROWS, HIDDEN, generator=generator(3), dtype=torch.float64)
-    want = reference_with_grads(module, tokens(), upstream, routing_weights())
+    upstream = torch.randn(num_rows, HIDDEN, generator=generator(3), dtype=torch.float64)
+    want = reference_with_grads(module, tokens(num_rows), upstream, routing_weights(num_rows))
     monkeypatch.setattr(experts_module, "_uses_grouped_mm", lambda x, seg: x.dtype != torch.float64)
-    got = run_with_grads(clone_experts(module, torch.float32), tokens().float(), upstream,
-                         routing_weights=routing_weights())
+    got = run_with_grads(clone_experts(module, torch.float32), tokens(num_rows).float(), upstream,
+                         routing_weights=routing_weights(num_rows),
+                         tokens_per_expert_list=COUNTS if host_counts else None)
     for name, g, w in zip(("out", "dx", "dgate_up", "ddown"), got, want):
         assert torch.isfinite(g).all(), name
         torch.testing.assert_close(g.double(), w, rtol=1e-4, atol=1e-5, msg=name)
+
+
+@pytest.mark.parametrize("num_rows, host_counts, expected", [
+    (sum(COUNTS), True, True), (NUM_ROWS, True, False), (sum(COUNTS), False, False)])
+def test_segments_know_when_no_row_is_ignored(num_rows: int, host_counts: bool, expected: bool) -> None:
+    seg = experts_module.ExpertSegments(counts_tensor(), num_rows,
+                                        tokens_per_expert_list=COUNTS if host_counts else None)
+    assert seg.all_rows_valid is expected
+    rows = tokens(num_rows)
+    masked = seg.mask(rows)
+    assert (masked is rows) is expected
+    assert torch.isfinite(masked).all()
 
 
 def test_grouped_mm_path_fp8_matches_loop_path(monkeypatch) -> None:
