@@ -6,7 +6,7 @@
 #     test: every tests/gpu file on its own (FILE_TIMEOUT seconds each, one log), so a hang in one
 #     file costs only its own time; TESTS narrows the files, PYTEST_ARGS adds pytest options;
 #     bench: the intranode benchmark (BENCH_TIMEOUT); ll: the low-latency benchmark; layer: the MoE
-#     layer benchmark (LAYER_TIMEOUT); fp8gemm: the FP8 grouped GEMMs (CUDA and Triton) against BF16 on
+#     layer benchmark (LAYER_TIMEOUT, LAYER_ARGS: e.g. --profile-experts); fp8gemm: the FP8 grouped GEMMs (CUDA and Triton) against BF16 on
 #     one GPU (FP8GEMM_TIMEOUT, FP8GEMM_ARGS: e.g. --profile);
 #     examples: the DeepSeek-V3-style training on every GPU and the accelerate fine-tuning on 2 GPUs
 #     (EXAMPLES_TIMEOUT each, output in examples.log, loss curve and metrics in files.tgz).
@@ -80,7 +80,7 @@ run_bench() {
 
 has bench && run_bench intranode "${BENCH_TIMEOUT:-300}" bench_intranode.py bench_intranode.json --worlds "$EP" "$@"
 has ll && run_bench low-latency "${LL_TIMEOUT:-120}" bench_low_latency.py bench_low_latency.json --world "$EP"
-has layer && run_bench "MoE layer" "${LAYER_TIMEOUT:-200}" bench_moe_layer.py bench_moe_layer.json --world "$EP"
+has layer && run_bench "MoE layer" "${LAYER_TIMEOUT:-200}" bench_moe_layer.py bench_moe_layer.json --world "$EP" ${LAYER_ARGS:-}
 has fp8gemm && run_bench "FP8 grouped GEMM" "${FP8GEMM_TIMEOUT:-150}" bench_fp8_grouped_gemm.py \
     bench_fp8_grouped_gemm.json ${FP8GEMM_ARGS:-}
 
