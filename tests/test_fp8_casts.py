@@ -116,13 +116,18 @@ def test_swiglu_kernels_reject_bad_input() -> None:
 
 @pytest.mark.parametrize("shape", [(3, 200, 300), (2, 256, 384), (128, 128)])
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
-def test_per_block_cast_and_transpose_are_bitwise_the_reference(shape: tuple[int, ...], dtype: torch.dtype) -> None:
+@pytest.mark.parametrize("strided", [False, True], ids=["contiguous", "transposed_view"])
+def test_per_block_cast_and_transpose_are_bitwise_the_reference(shape: tuple[int, ...], dtype: torch.dtype,
+                                                                strided: bool) -> None:
     g = torch.Generator().manual_seed(2)
     w = torch.randn(shape, generator=g) * 0.02
     w[..., :fp8.BLOCK, :fp8.BLOCK] = 0.0  # an all-zero block takes the amax floor
     w[..., -1, -1] = 3e4  # a huge value in the last (possibly partial) block
     w = w.to(dtype)
-    q, scales, q_t = casts.per_block_cast_to_fp8_with_transpose(w.to(DEVICE))
+    on_device = w.to(DEVICE)
+    if strided:  # the same values read through a transposed view's strides
+        on_device = on_device.transpose(-2, -1).contiguous().transpose(-2, -1)
+    q, scales, q_t = casts.per_block_cast_to_fp8_with_transpose(on_device)
     want_q, want_scales = fp8.per_block_cast_to_fp8(w)
     assert_same_fp8(q, want_q)
     assert torch.equal(scales.cpu(), want_scales)
