@@ -1,5 +1,5 @@
 """Build script: pure Python on CPU machines, plus the CUDA extensions where they can be built:
-`moe_ep._C` (the communication kernels and runtime) and `moe_ep._fp8_gemm` (the grouped FP8 GEMM).
+`moe_ep._C` (the communication kernels and runtime) and `moe_ep._fp8` (the FP8 expert kernels).
 
 `MOE_EP_BUILD_CUDA=1` forces the extension (failing loudly if it cannot be built), `=0` skips it;
 unset, it is built when the installed torch has CUDA and `nvcc` is found. Low-latency-mode sources
@@ -47,13 +47,14 @@ def _is_low_latency(path: str) -> bool:
     return any(marker in Path(path).name for marker in ("low_latency", "nvshmem"))
 
 
-def _is_fp8_gemm(path: str) -> bool:
-    """The FP8 GEMM (binding and kernel) is a module of its own: never relocatable device code."""
-    return Path(path).stem == "fp8_gemm"
+def _is_fp8(path: str) -> bool:
+    """The FP8 expert kernels (`fp8_*` files: binding, GEMM, weight cast) are a module of their own:
+    never relocatable device code, under which ptxas ignores the GEMM's `setmaxnreg` budget."""
+    return Path(path).name.startswith("fp8_")
 
 
 def _sources() -> list[str]:
-    return [f for f in _all_sources() if not _is_low_latency(f) and not _is_fp8_gemm(f)]
+    return [f for f in _all_sources() if not _is_low_latency(f) and not _is_fp8(f)]
 
 
 def _low_latency_sources() -> list[str]:
@@ -126,13 +127,13 @@ def _cuda_extension():
     )
 
 
-def _fp8_gemm_extension():
+def _fp8_extension():
     from torch.utils.cpp_extension import CUDAExtension
 
     include_dirs, nvcc_flags, cxx_flags = _common_flags()
     return CUDAExtension(
-        name="moe_ep._fp8_gemm",
-        sources=[f for f in _all_sources() if _is_fp8_gemm(f)],
+        name="moe_ep._fp8",
+        sources=[f for f in _all_sources() if _is_fp8(f)],
         include_dirs=include_dirs,
         extra_compile_args={"cxx": cxx_flags, "nvcc": nvcc_flags},
     )
@@ -143,7 +144,7 @@ cmdclass = {}
 if _want_cuda():
     from torch.utils.cpp_extension import BuildExtension
 
-    ext_modules = [_cuda_extension(), _fp8_gemm_extension()]
+    ext_modules = [_cuda_extension(), _fp8_extension()]
     cmdclass = {"build_ext": BuildExtension.with_options(use_ninja=True)}
 
 setup(ext_modules=ext_modules, cmdclass=cmdclass)

@@ -31,7 +31,8 @@ import triton
 from moe_ep.layers import GroupedMLP
 from moe_ep.layers import fp8_grouped_gemm as gemm
 from moe_ep.layers.experts import cast_weight_to_fp8
-from moe_ep.layers.fp8_casts import per_block_cast_to_fp8_with_transpose, per_token_cast_back, per_token_cast_to_fp8
+from moe_ep.layers.fp8_casts import (cuda_weight_cast_runs, per_block_cast_to_fp8_with_transpose, per_token_cast_back,
+                                     per_token_cast_to_fp8)
 from moe_ep.ops import fp8
 from timing import local_median_us
 
@@ -78,12 +79,20 @@ def time_each_tile(run: Callable[[Optional[triton.Config]], object], n_out: int)
     return times
 
 
+def weight_cast_backends(w: torch.Tensor) -> list[str]:
+    """The weight cast's backends here, the one "auto" picks first."""
+    return ["cuda", "triton"] if cuda_weight_cast_runs(w) else ["triton"]
+
+
 def bench_casts(x: torch.Tensor, grad: torch.Tensor, w: torch.Tensor) -> dict:
     """Fused Triton casts vs the torch reference: equality, times, and the Triton casts' bandwidth."""
     results = {"casts_bitwise": (same_bits(per_token_cast_to_fp8(x), fp8.per_token_cast_to_fp8(x))
                                  and same_bits(per_token_cast_to_fp8(grad), fp8.per_token_cast_to_fp8(grad))
-                                 and same_bits(per_block_cast_to_fp8_with_transpose(w)[:2],
-                                               fp8.per_block_cast_to_fp8(w)))}
+                                 and all(same_bits(per_block_cast_to_fp8_with_transpose(w, backend=backend)[:2],
+                                                   fp8.per_block_cast_to_fp8(w))
+                                         and same_bits(per_block_cast_to_fp8_with_transpose(w, backend=backend)[2:],
+                                                       (fp8.per_block_cast_to_fp8(w)[0].transpose(-2, -1),))
+                                         for backend in weight_cast_backends(w)))}
     for name, tensor in (("rows", x), ("grad_rows", grad)):
         results[f"cast_{name}_us"] = local_median_us(lambda: per_token_cast_to_fp8(tensor))
         results[f"cast_{name}_torch_us"] = local_median_us(lambda: fp8.per_token_cast_to_fp8(tensor), iters=5)
@@ -94,9 +103,11 @@ def bench_casts(x: torch.Tensor, grad: torch.Tensor, w: torch.Tensor) -> dict:
     results["cast_back_rows_us"] = local_median_us(lambda: per_token_cast_back(q, scales))
     results["cast_back_rows_torch_us"] = local_median_us(lambda: fp8.per_token_cast_back(q, scales), iters=5)
     results["cast_back_rows_gbps"] = x.numel() * (1 + x.element_size()) / results["cast_back_rows_us"] / 1e3
-    results["cast_weight_us"] = local_median_us(lambda: per_block_cast_to_fp8_with_transpose(w))
+    for backend in weight_cast_backends(w):  # "cast_weight": the default ("auto") choice
+        name = "cast_weight" if backend == weight_cast_backends(w)[0] else f"cast_weight_{backend}"
+        results[f"{name}_us"] = local_median_us(lambda: per_block_cast_to_fp8_with_transpose(w, backend=backend))
+        results[f"{name}_gbps"] = w.numel() * (w.element_size() + 2) / results[f"{name}_us"] / 1e3
     results["cast_weight_torch_us"] = local_median_us(lambda: fp8.per_block_cast_to_fp8(w), iters=5)
-    results["cast_weight_gbps"] = w.numel() * (w.element_size() + 2) / results["cast_weight_us"] / 1e3
     return results
 
 
@@ -208,13 +219,15 @@ def tile_lines(results: dict) -> list[str]:
 
 
 def cast_lines(results: dict) -> list[str]:
-    lines = [f"{'cast':18s} {'torch us':>8s} {'triton':>8s} {'GB/s':>8s}  (bitwise equal: "
+    lines = [f"{'cast':21s} {'torch us':>8s} {'ours us':>8s} {'GB/s':>8s}  (weight: CUDA where it runs; bitwise equal: "
              + ", ".join(f"{p} {results[p]['casts_bitwise']}" for p in PROJECTIONS) + ")"]
     for proj in PROJECTIONS:
         r = results[proj]
-        for name in ("rows", "grad_rows", "back_rows", "weight"):
-            lines.append(f"{proj + ' ' + name:18s} {r[f'cast_{name}_torch_us']:8.0f} {r[f'cast_{name}_us']:8.0f} "
-                         f"{r[f'cast_{name}_gbps']:8.0f}")
+        for name in ("rows", "grad_rows", "back_rows", "weight", "weight_triton"):
+            if f"cast_{name}_us" in r:
+                torch_us = r[f"cast_{name.removesuffix('_triton')}_torch_us"]
+                lines.append(f"{proj + ' ' + name:21s} {torch_us:8.0f} {r[f'cast_{name}_us']:8.0f} "
+                             f"{r[f'cast_{name}_gbps']:8.0f}")
     return lines
 
 

@@ -49,7 +49,7 @@ if has build; then
         tail -40 "$OUT/build.log"
         exit 1
     fi
-    $PY -c "import moe_ep._C as c, moe_ep._fp8_gemm as g; print('extensions loaded, sm90:', c.is_sm90_compiled(), 'FP8 GEMM runs:', g.fp8_grouped_mm_supported())" || exit 1
+    $PY -c "import moe_ep._C as c, moe_ep._fp8 as g; print('extensions loaded, sm90:', c.is_sm90_compiled(), 'FP8 kernels run:', g.fp8_grouped_mm_supported())" || exit 1
 fi
 
 if has test; then

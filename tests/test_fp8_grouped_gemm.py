@@ -1,7 +1,7 @@
 """The blockwise FP8 grouped GEMM against float64 references of the dequantized math.
 
 The Triton kernel compiled on a GPU, in Triton's interpreter elsewhere (see `triton_kernels`), and
-the CUDA kernel of `moe_ep._fp8_gemm` where it runs. Skipped without Triton.
+the CUDA kernel of `moe_ep._fp8` where it runs. Skipped without Triton.
 """
 
 from __future__ import annotations
@@ -34,9 +34,9 @@ def _interpret(monkeypatch) -> None:
 @pytest.fixture(params=["triton", "cuda"])
 def backend(request) -> str:
     """Each implementation of `fp8_grouped_mm`; the CUDA one needs an sm_90a build on an sm_90 GPU."""
-    if request.param == "cuda" and (DEVICE != "cuda" or gemm._cuda_kernels() is None
+    if request.param == "cuda" and (DEVICE != "cuda" or gemm.fp8_cuda.fp8_extension() is None
                                     or torch.cuda.get_device_capability() != (9, 0)):
-        pytest.skip("the moe_ep._fp8_gemm FP8 GEMM runs on sm_90 GPUs with an sm_90a build only")
+        pytest.skip("the moe_ep._fp8 FP8 GEMM runs on sm_90 GPUs with an sm_90a build only")
     return request.param
 
 

@@ -269,6 +269,24 @@ int fp8_grouped_gemm_tile();
 bool fp8_grouped_gemm_supported();
 cudaError_t launch_fp8_grouped_gemm(const Fp8GroupedGemmArgs& args, cudaStream_t stream);
 
+// 128x128 blockwise e4m3 cast of BF16 weights `w [num_matrices, rows, cols]` (cols contiguous), with
+// the transposed copy the input-gradient GEMM reads: q [m, rows, cols], q_t [m, cols, rows] (both
+// contiguous), scales [m, rows / 128, cols / 128] = max(amax, amax_floor) / 448 per block. Rows and
+// cols multiples of 128; the arithmetic is that of moe_ep.ops.fp8.per_block_cast_to_fp8, bit for bit.
+struct Fp8WeightCastArgs {
+    const __nv_bfloat16* w;
+    int64_t w_matrix_stride;  // elements
+    int64_t w_row_stride;     // elements
+    uint8_t* q;
+    uint8_t* q_t;
+    float* scales;
+    int num_matrices;
+    int rows;
+    int cols;
+    float amax_floor;
+};
+cudaError_t launch_fp8_weight_cast(const Fp8WeightCastArgs& args, cudaStream_t stream);
+
 // Whether the kernels in this binary were compiled for sm_90.
 bool is_sm90_compiled();
 

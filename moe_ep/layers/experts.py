@@ -12,7 +12,7 @@ Backward is the gradient of the computed function with the FP8 casts treated as 
 (straight-through), so weight gradients use the dequantized activations the forward actually saw,
 and input gradients the dequantized weights. It runs in BF16, except on CUDA with Triton (sm_90+),
 where both FP8 GEMMs and the input-gradient GEMMs run as blockwise-scaled FP8 grouped GEMMs
-(`fp8_grouped_gemm`: the TMA + wgmma kernel of `moe_ep._fp8_gemm` where it is built, else Triton): the output gradients are then cast to e4m3 (1x128) for the input-gradient
+(`fp8_grouped_gemm`: the TMA + wgmma kernel of `moe_ep._fp8` where it is built, else Triton): the output gradients are then cast to e4m3 (1x128) for the input-gradient
 GEMMs, one more rounding of the same straight-through gradient. Weight gradients stay BF16. There
 the casts are fused Triton kernels (`fp8_casts`, bit for bit those of `moe_ep.ops.fp8`), the weight
 cast also writes each weight transposed, which the input-gradient GEMM reads, and the SwiGLU and its
@@ -223,7 +223,7 @@ def fp8_grouped_linear(x: FP8Tokens, weight: FP8Weight, seg: ExpertSegments) -> 
 
     `x` is `(q [N, K], scales [N, K/128] float32)`, `weight` `[E, M, K]` blockwise e4m3.
     Rows past the last segment are zeros. On CUDA sm_90+ this is one grouped FP8 GEMM with device
-    offsets (`fp8_grouped_gemm`: the `moe_ep._fp8_gemm` kernel, or Triton); on sm_90 without Triton, one
+    offsets (`fp8_grouped_gemm`: the `moe_ep._fp8` kernel, or Triton); on sm_90 without Triton, one
     cuBLAS FP8 GEMM per expert (host-side bounds); elsewhere the reference: the same products of
     dequantized values, accumulated in FP32.
     """

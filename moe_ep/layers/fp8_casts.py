@@ -9,6 +9,8 @@
 * `per_block_cast_to_fp8_with_transpose`: `[..., N, K]` weights to e4m3 with one scale per 128x128
   block, and in the same pass the transposed copy `[..., K, N]`, whose block scales are the
   transposed scale matrix: the input-gradient GEMM then reads a contracted-dimension-contiguous weight.
+  BF16 weights go through the CUDA kernel of `moe_ep._fp8` where it runs (the same bits, about twice
+  the Triton kernel's bandwidth is the aim).
 
 The arithmetic is the reference's, in float32: `amax = max(max|x|, 1e-4)`, `scale = amax / 448` and
 `1 / scale` as IEEE divisions (`div_rn`: Triton's `/` may be approximate), `q = e4m3(clamp(x * (1 /
@@ -19,12 +21,14 @@ default scales (no power-of-two rounding, no UE8M0).
 from __future__ import annotations
 
 import os
+from typing import Literal
 
 import torch
 import triton
 import triton.language as tl
 
 from ..ops.fp8 import AMAX_FLOOR, BLOCK, FP8_DTYPE, FP8_MAX
+from . import fp8_cuda
 
 _INTERPRETED = os.environ.get("TRITON_INTERPRET") == "1"
 _AMAX_FLOOR = tl.constexpr(AMAX_FLOOR)
@@ -289,17 +293,33 @@ def _per_block_kernel(
     tl.store(scale_ptr + pid, scale)
 
 
-def per_block_cast_to_fp8_with_transpose(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+def cuda_weight_cast_runs(w: torch.Tensor) -> bool:
+    """Whether `per_block_cast_to_fp8_with_transpose(w)` runs the CUDA kernel of `moe_ep._fp8`:
+    BF16 `[..., N, K]` with N and K multiples of 128, K contiguous, 16-byte aligned rows."""
+    return (w.dtype == torch.bfloat16 and w.dim() >= 2 and w.size(-2) % BLOCK == 0 and w.size(-1) % BLOCK == 0
+            and fp8_cuda.runs_on(w) and fp8_cuda.aligned_rows(w))
+
+
+def per_block_cast_to_fp8_with_transpose(w: torch.Tensor, *, backend: Literal["auto", "cuda", "triton"] = "auto",
+                                         ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Cast `[..., N, K]` weights to e4m3 with one float32 scale per 128x128 block, and transpose them.
 
     Returns `(q [..., N, K], scales [..., ceil(N/128), ceil(K/128)], q_t [..., K, N])`: `q` and
     `scales` are `moe_ep.ops.fp8.per_block_cast_to_fp8(w)`, `q_t` is `q` transposed (contiguous),
-    and `scales.transpose(-2, -1)` are its block scales.
+    and `scales.transpose(-2, -1)` are its block scales. `backend`: "cuda" (the `moe_ep._fp8`
+    kernel, an error where it cannot run `w`), "triton", or "auto" (CUDA where it runs).
     """
     if w.dtype not in _CASTABLE:
         raise TypeError(f"w: expected one of {_CASTABLE}, got {w.dtype}")
     if w.dim() < 2:
         raise ValueError(f"w: expected [..., N, K], got {tuple(w.shape)}")
+    if backend not in ("auto", "cuda", "triton"):
+        raise ValueError(f"backend: expected 'auto', 'cuda' or 'triton', got {backend!r}")
+    if backend == "cuda" and not cuda_weight_cast_runs(w):
+        raise RuntimeError("backend='cuda': the moe_ep._fp8 weight cast cannot run here (it needs an sm_90a build "
+                           "on an sm_90 GPU and BF16 weights with N, K multiples of 128 and 16-byte aligned rows)")
+    if backend != "triton" and cuda_weight_cast_runs(w):
+        return fp8_cuda.fp8_extension().fp8_weight_cast(w, AMAX_FLOOR)
     *lead, n, k = w.shape
     matrices = w.reshape(-1, n, k)
     blocks_n, blocks_k = triton.cdiv(n, BLOCK), triton.cdiv(k, BLOCK)

@@ -1,4 +1,4 @@
-"""Grouped FP8 GEMM with DeepSeek-V3 blockwise scaling: the CUDA kernel of `moe_ep._fp8_gemm`, or Triton.
+"""Grouped FP8 GEMM with DeepSeek-V3 blockwise scaling: the CUDA kernel of `moe_ep._fp8`, or Triton.
 
 Computes, for every expert `e` owning a contiguous segment of rows of an expert-major `[N, K]`
 activation,
@@ -10,7 +10,7 @@ one float32 scale per 128x128 block. Each 128-wide K block is multiplied on the 
 added to an FP32 accumulator with its two scales applied (as DeepGEMM does); the result is BF16.
 Rows past the last segment are written as zeros.
 
-Two implementations of the same arithmetic: the TMA + wgmma kernel of `moe_ep._fp8_gemm`
+Two implementations of the same arithmetic: the TMA + wgmma kernel of `moe_ep._fp8`
 (`csrc/kernels/fp8_gemm.cu`, sm_90a: a producer warp feeding two math warpgroups) where the
 extension is built, and the Triton kernel below everywhere else (and in Triton's interpreter on CPU).
 
@@ -28,9 +28,7 @@ scales are `W`'s transposed.
 
 from __future__ import annotations
 
-import importlib
 import os
-from functools import cache
 from typing import Literal, Optional
 
 import torch
@@ -38,6 +36,7 @@ import triton
 import triton.language as tl
 
 from ..ops.fp8 import BLOCK, FP8_DTYPE
+from . import fp8_cuda
 
 _INTERPRETED = os.environ.get("TRITON_INTERPRET") == "1"
 
@@ -173,25 +172,10 @@ def _grouped_mm_kernel(
 Backend = Literal["auto", "cuda", "triton"]
 
 
-@cache
-def _cuda_kernels():
-    """`moe_ep._fp8_gemm` when it is built and runnable here (sm_90a build, TMA map encoder), else None."""
-    try:
-        ext = importlib.import_module("moe_ep._fp8_gemm")
-    except ImportError:
-        return None
-    return ext if ext.fp8_grouped_mm_supported() else None
-
-
-def _tma_readable(t: torch.Tensor) -> bool:
-    """What TMA needs of an operand: K contiguous, start and row strides in 16-byte multiples."""
-    return t.stride(-1) == 1 and t.data_ptr() % 16 == 0 and all(s % 16 == 0 for s in t.stride()[:-1])
-
-
 def cuda_kernel_runs(a: torch.Tensor, b: torch.Tensor) -> bool:
-    """Whether `fp8_grouped_mm` runs these operands on the CUDA kernel (backend "auto")."""
-    return (a.is_cuda and not _INTERPRETED and torch.cuda.get_device_capability(a.device) == (9, 0)
-            and _cuda_kernels() is not None and _tma_readable(a) and _tma_readable(b))
+    """Whether `fp8_grouped_mm` runs these operands on the CUDA kernel (backend "auto"): TMA reads
+    them, so K contiguous, start and row strides in 16-byte multiples."""
+    return fp8_cuda.runs_on(a) and fp8_cuda.aligned_rows(a) and fp8_cuda.aligned_rows(b)
 
 
 def fp8_grouped_mm(a: torch.Tensor, a_scales: torch.Tensor, b: torch.Tensor, b_scales: torch.Tensor,
@@ -208,7 +192,7 @@ def fp8_grouped_mm(a: torch.Tensor, a_scales: torch.Tensor, b: torch.Tensor, b_s
             `[ends[e-1], ends[e])`); rows from `ends[-1]` on are zeros.
         config: one of `CONFIGS` (or any tile whose width divides N_OUT) to run the Triton kernel
             with instead of the autotuned choice.
-        backend: "cuda" (the `moe_ep._fp8_gemm` kernel; an error where it cannot run these operands),
+        backend: "cuda" (the `moe_ep._fp8` kernel; an error where it cannot run these operands),
             "triton", or "auto": the CUDA kernel where `cuda_kernel_runs`, else Triton.
     """
     num_rows, depth = a.shape
@@ -227,10 +211,10 @@ def fp8_grouped_mm(a: torch.Tensor, a_scales: torch.Tensor, b: torch.Tensor, b_s
     if backend not in ("auto", "cuda", "triton"):
         raise ValueError(f"backend: expected 'auto', 'cuda' or 'triton', got {backend!r}")
     if backend == "cuda" and not cuda_kernel_runs(a, b):
-        raise RuntimeError("backend='cuda': the moe_ep._fp8_gemm FP8 GEMM cannot run here (it needs an sm_90a build on an "
+        raise RuntimeError("backend='cuda': the moe_ep._fp8 FP8 GEMM cannot run here (it needs an sm_90a build on an "
                            "sm_90 GPU, and K-contiguous operands with 16-byte aligned starts and strides)")
     if backend == "cuda" or (backend == "auto" and config is None and cuda_kernel_runs(a, b)):
-        return _cuda_kernels().fp8_grouped_mm(a, a_scales, b, b_scales, ends)
+        return fp8_cuda.fp8_extension().fp8_grouped_mm(a, a_scales, b, b_scales, ends)
     out = torch.empty(num_rows, n_out, dtype=torch.bfloat16, device=a.device)
 
     def grid(meta: dict) -> tuple[int]:

@@ -1,6 +1,9 @@
-"""The CUDA (wgmma) blockwise FP8 grouped GEMM at expert-sized shapes: against float64 references of
-the dequantized math and against the Triton kernel, on skewed segments with empty experts, garbage
-past the last segment, depths that wrap the shared-memory ring many times, and strided operands."""
+"""The CUDA kernels of `moe_ep._fp8`.
+
+The blockwise FP8 grouped GEMM (wgmma) at expert-sized shapes: against float64 references of the
+dequantized math and against the Triton kernel, on skewed segments with empty experts, garbage past
+the last segment, depths that wrap the shared-memory ring many times, and strided operands. The weight
+cast with its transposed copy: bit for bit the reference and the Triton kernel."""
 
 from __future__ import annotations
 
@@ -11,9 +14,11 @@ import test_fp8_grouped_gemm as cpu
 from moe_ep.ops import fp8
 
 gemm = cpu.gemm
+casts = cpu.casts
 pytestmark = pytest.mark.skipif(
-    not torch.cuda.is_available() or torch.cuda.get_device_capability() != (9, 0) or gemm._cuda_kernels() is None,
-    reason="needs an sm_90 GPU and moe_ep._fp8_gemm built for sm_90a")
+    not torch.cuda.is_available() or torch.cuda.get_device_capability() != (9, 0)
+    or gemm.fp8_cuda.fp8_extension() is None,
+    reason="needs an sm_90 GPU and moe_ep._fp8 built for sm_90a")
 
 
 def skewed_counts(num_experts: int, rows: int, seed: int) -> list[int]:
@@ -85,3 +90,48 @@ def test_operands_tma_cannot_read_fall_back_to_triton() -> None:
         gemm.fp8_grouped_mm(qa, sa, strided, sw, ends, backend="cuda")
     assert torch.equal(gemm.fp8_grouped_mm(qa, sa, strided, sw, ends),
                        gemm.fp8_grouped_mm(qa, sa, qw, sw, ends, backend="triton"))
+
+
+def weight(shape: tuple[int, ...], seed: int) -> torch.Tensor:
+    """BF16 weights with an all-zero block (the amax floor) and a huge value in the last block."""
+    g = torch.Generator().manual_seed(seed)
+    w = torch.randn(shape, generator=g) * 0.02
+    w[..., :fp8.BLOCK, :fp8.BLOCK] = 0.0
+    w[..., -1, -1] = 3e4
+    return w.to(torch.bfloat16).cuda()
+
+
+@pytest.mark.parametrize("shape", [(4, 512, 1024), (2, 3, 256, 384), (128, 128), (1, 4096, 7168)])
+def test_cuda_weight_cast_is_bitwise_the_reference(shape: tuple[int, ...]) -> None:
+    w = weight(shape, seed=len(shape))
+    assert casts.cuda_weight_cast_runs(w)
+    q, scales, q_t = casts.per_block_cast_to_fp8_with_transpose(w, backend="cuda")
+    want_q, want_scales = fp8.per_block_cast_to_fp8(w)
+    assert torch.equal(q.view(torch.uint8), want_q.view(torch.uint8))
+    assert torch.equal(scales, want_scales)
+    assert q_t.is_contiguous() and q_t.shape == (*shape[:-2], shape[-1], shape[-2])
+    assert torch.equal(q_t.view(torch.uint8), want_q.transpose(-2, -1).view(torch.uint8))
+    for got, triton_out in zip((q, scales, q_t), casts.per_block_cast_to_fp8_with_transpose(w, backend="triton")):
+        assert torch.equal(got.view(torch.uint8), triton_out.view(torch.uint8))
+
+
+def test_cuda_weight_cast_reads_strided_matrices() -> None:
+    """Rows 128..383 of every matrix: the matrix stride is not rows x cols."""
+    big = weight((3, 512, 256), seed=5)
+    w = big[:, 128:384]
+    q, scales, q_t = casts.per_block_cast_to_fp8_with_transpose(w, backend="cuda")
+    want_q, want_scales = fp8.per_block_cast_to_fp8(w.contiguous())
+    assert torch.equal(q.view(torch.uint8), want_q.view(torch.uint8))
+    assert torch.equal(scales, want_scales)
+    assert torch.equal(q_t.view(torch.uint8), want_q.transpose(-2, -1).contiguous().view(torch.uint8))
+
+
+def test_cuda_weight_cast_falls_back_or_refuses() -> None:
+    """Shapes or layouts the kernel cannot take go to Triton under "auto" and raise under "cuda"."""
+    for w in (weight((200, 256), seed=6), weight((256, 256), seed=7).t(), weight((256, 256), seed=8).float()):
+        assert not casts.cuda_weight_cast_runs(w)
+        with pytest.raises(RuntimeError, match="backend='cuda'"):
+            casts.per_block_cast_to_fp8_with_transpose(w, backend="cuda")
+        q, scales, _ = casts.per_block_cast_to_fp8_with_transpose(w)
+        want_q, want_scales = fp8.per_block_cast_to_fp8(w)
+        assert torch.equal(q.view(torch.uint8), want_q.view(torch.uint8)) and torch.equal(scales, want_scales)

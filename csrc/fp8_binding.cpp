@@ -1,7 +1,8 @@
-// The `moe_ep._fp8_gemm` extension module: the grouped blockwise FP8 GEMM (csrc/kernels/fp8_gemm.cu)
-// with its argument checks, the output allocation and the launch on the current stream.
+// The `moe_ep._fp8` extension module: the FP8 expert kernels (csrc/kernels/fp8_gemm.cu: the grouped
+// blockwise FP8 GEMM; csrc/kernels/fp8_cast.cu: the weight cast with its transposed copy), with their
+// argument checks, output allocations and launches on the current stream.
 // A module apart from `moe_ep._C`: NVSHMEM makes `_C` relocatable device code (-rdc), and under -rdc
-// ptxas ignores the kernel's setmaxnreg register budget and spills its accumulators (2.4x slower).
+// ptxas ignores the GEMM's setmaxnreg register budget and spills its accumulators (2.4x slower).
 #include <c10/cuda/CUDAGuard.h>
 #include <c10/cuda/CUDAStream.h>
 #include <torch/extension.h>
@@ -30,7 +31,7 @@ void check_operand(const Tensor& t, const char* name, int64_t dims) {
 Tensor fp8_grouped_mm(const Tensor& a, const Tensor& a_scales, const Tensor& b, const Tensor& b_scales,
                       const Tensor& ends) {
     TORCH_CHECK(kernels::fp8_grouped_gemm_supported(),
-                "fp8_grouped_mm: moe_ep._fp8_gemm was not built for sm_90a or the driver cannot encode TMA maps");
+                "fp8_grouped_mm: moe_ep._fp8 was not built for sm_90a or the driver cannot encode TMA maps");
     check_operand(a, "a", 2);
     check_operand(b, "b", 3);
     const int64_t num_rows = a.size(0), depth = a.size(1), num_experts = b.size(0), n_out = b.size(1);
@@ -82,14 +83,57 @@ Tensor fp8_grouped_mm(const Tensor& a, const Tensor& a_scales, const Tensor& b, 
     return out;
 }
 
+std::tuple<Tensor, Tensor, Tensor> fp8_weight_cast(const Tensor& w, double amax_floor) {
+    TORCH_CHECK_TYPE(w.scalar_type() == at::kBFloat16, "w: expected bfloat16, got ", w.scalar_type());
+    TORCH_CHECK_VALUE(w.is_cuda(), "w: expected a CUDA tensor");
+    TORCH_CHECK_VALUE(w.dim() >= 2, "w: expected [..., N, K], got ", w.sizes());
+    const int64_t tile = kernels::fp8_grouped_gemm_tile();
+    const int64_t n = w.size(-2), k = w.size(-1);
+    TORCH_CHECK_VALUE(n % tile == 0 && k % tile == 0, "w: expected N and K multiples of ", tile, ", got ", w.sizes());
+    TORCH_CHECK_VALUE(n * k < (int64_t{1} << 31), "w: expected fewer than 2^31 elements per matrix, got ", w.sizes());
+    const Tensor matrices = w.reshape({-1, n, k});
+    TORCH_CHECK_VALUE(matrices.stride(2) == 1 && matrices.stride(1) % 8 == 0 && matrices.stride(0) % 8 == 0 &&
+                          reinterpret_cast<uintptr_t>(matrices.data_ptr()) % 16 == 0,
+                      "w: expected K contiguous, 16-byte aligned rows and start; got strides ", w.strides());
+    const c10::cuda::CUDAGuard guard(w.device());
+    const auto fp8 = w.options().dtype(at::kFloat8_e4m3fn);
+    Tensor q = at::empty({matrices.size(0), n, k}, fp8);
+    Tensor q_t = at::empty({matrices.size(0), k, n}, fp8);
+    Tensor scales = at::empty({matrices.size(0), n / tile, k / tile}, w.options().dtype(at::kFloat));
+    kernels::Fp8WeightCastArgs args{};
+    args.w = reinterpret_cast<const __nv_bfloat16*>(matrices.data_ptr());
+    args.w_matrix_stride = matrices.stride(0);
+    args.w_row_stride = matrices.stride(1);
+    args.q = reinterpret_cast<uint8_t*>(q.data_ptr());
+    args.q_t = reinterpret_cast<uint8_t*>(q_t.data_ptr());
+    args.scales = scales.data_ptr<float>();
+    args.num_matrices = static_cast<int>(matrices.size(0));
+    args.rows = static_cast<int>(n);
+    args.cols = static_cast<int>(k);
+    args.amax_floor = static_cast<float>(amax_floor);
+    const cudaError_t err = kernels::launch_fp8_weight_cast(args, c10::cuda::getCurrentCUDAStream());
+    TORCH_CHECK(err == cudaSuccess, "fp8_weight_cast: launch failed: ", cudaGetErrorString(err));
+    std::vector<int64_t> lead(w.sizes().begin(), w.sizes().end() - 2);
+    auto shaped = [&lead](const Tensor& t, int64_t rows, int64_t cols) {
+        std::vector<int64_t> shape = lead;
+        shape.push_back(rows);
+        shape.push_back(cols);
+        return t.view(shape);
+    };
+    return {shaped(q, n, k), shaped(scales, n / tile, k / tile), shaped(q_t, k, n)};
+}
+
 }  // namespace
 
 }  // namespace moe_ep
 
-PYBIND11_MODULE(_fp8_gemm, m) {
+PYBIND11_MODULE(_fp8, m) {
     using moe_ep::fp8_grouped_mm;
+    using moe_ep::fp8_weight_cast;
     namespace kernels = moe_ep::kernels;
-    m.doc() = "moe_ep grouped blockwise FP8 GEMM (sm_90a)";
+    m.doc() = "moe_ep FP8 expert kernels (sm_90a): grouped blockwise GEMM, weight cast";
+    m.def("fp8_weight_cast", &fp8_weight_cast, py::arg("w"), py::arg("amax_floor"),
+          "128x128 blockwise e4m3 cast of BF16 [..., N, K] weights: (q, scales [..., N/128, K/128], q_t [..., K, N]).");
     m.def("fp8_grouped_mm", &fp8_grouped_mm, py::arg("a"), py::arg("a_scales"), py::arg("b"), py::arg("b_scales"),
           py::arg("ends"),
           "Grouped e4m3 GEMM with 1x128 / 128x128 block scales: [N, K] x [E, N_OUT, K] -> [N, N_OUT] BF16; rows "
