@@ -30,7 +30,9 @@ MOE_EP_DEVICE void transpose_8x8(const uint64_t (&in)[kPiece], uint64_t (&out)[k
     }
 }
 
-__global__ void __launch_bounds__(kCastThreads) fp8_weight_cast_kernel(const Fp8WeightCastArgs args) {
+// Four blocks per SM (at most 64 registers): the rows stay packed BF16 until they are cast, so that
+// enough loads are in flight to keep HBM busy.
+__global__ void __launch_bounds__(kCastThreads, 4) fp8_weight_cast_kernel(const Fp8WeightCastArgs args) {
     const int blocks_k = args.cols / kBlock, blocks_n = args.rows / kBlock;
     const int block_k = blockIdx.x % blocks_k;
     const int block_n = (blockIdx.x / blocks_k) % blocks_n;
@@ -38,20 +40,19 @@ __global__ void __launch_bounds__(kCastThreads) fp8_weight_cast_kernel(const Fp8
     const int row = block_n * kBlock + kPiece * (threadIdx.x / 16);
     const int col = block_k * kBlock + kPiece * (threadIdx.x % 16);
 
-    float x[kPiece][kPiece];
-    float amax = 0.0f;
+    int4 packed[kPiece];
     const __nv_bfloat16* w = args.w + matrix * args.w_matrix_stride + col;
 #pragma unroll
-    for (int i = 0; i < kPiece; ++i) {
-        const int4 packed = *reinterpret_cast<const int4*>(w + (row + i) * args.w_row_stride);
-        const __nv_bfloat162* pairs = reinterpret_cast<const __nv_bfloat162*>(&packed);
+    for (int i = 0; i < kPiece; ++i) packed[i] = *reinterpret_cast<const int4*>(w + (row + i) * args.w_row_stride);
+    // |x| and max are exact in BF16.
+    __nv_bfloat162 amax2 = __float2bfloat162_rn(0.0f);
 #pragma unroll
-        for (int j = 0; j < kPiece / 2; ++j) {
-            const float2 v = __bfloat1622float2(pairs[j]);
-            x[i][2 * j] = v.x, x[i][2 * j + 1] = v.y;
-            amax = fmaxf(amax, fmaxf(fabsf(v.x), fabsf(v.y)));
-        }
+    for (int i = 0; i < kPiece; ++i) {
+        const __nv_bfloat162* pairs = reinterpret_cast<const __nv_bfloat162*>(&packed[i]);
+#pragma unroll
+        for (int j = 0; j < kPiece / 2; ++j) amax2 = __hmax2(amax2, __habs2(pairs[j]));
     }
+    float amax = fmaxf(__low2float(amax2), __high2float(amax2));
     __shared__ float warp_amax[kCastThreads / 32];
 #pragma unroll
     for (int offset = 16; offset > 0; offset >>= 1) amax = fmaxf(amax, __shfl_xor_sync(kFullMask, amax, offset));
@@ -66,13 +67,15 @@ __global__ void __launch_bounds__(kCastThreads) fp8_weight_cast_kernel(const Fp8
     uint64_t piece[kPiece];
 #pragma unroll
     for (int i = 0; i < kPiece; ++i) {
+        const __nv_bfloat162* pairs = reinterpret_cast<const __nv_bfloat162*>(&packed[i]);
         piece[i] = 0;
 #pragma unroll
-        for (int j = 0; j < kPiece; j += 2) {
-            const float2 v = make_float2(fminf(fmaxf(x[i][j] * inverse, -kFp8Max), kFp8Max),
-                                         fminf(fmaxf(x[i][j + 1] * inverse, -kFp8Max), kFp8Max));
+        for (int j = 0; j < kPiece / 2; ++j) {
+            const float2 x = __bfloat1622float2(pairs[j]);
+            const float2 v = make_float2(fminf(fmaxf(x.x * inverse, -kFp8Max), kFp8Max),
+                                         fminf(fmaxf(x.y * inverse, -kFp8Max), kFp8Max));
             const uint64_t pair = __nv_cvt_float2_to_fp8x2(v, __NV_SATFINITE, __NV_E4M3);
-            piece[i] |= pair << (8 * j);
+            piece[i] |= pair << (16 * j);
         }
     }
     const int64_t matrix_offset = matrix * args.rows * args.cols;
