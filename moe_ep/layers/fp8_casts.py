@@ -9,8 +9,8 @@
 * `per_block_cast_to_fp8_with_transpose`: `[..., N, K]` weights to e4m3 with one scale per 128x128
   block, and in the same pass the transposed copy `[..., K, N]`, whose block scales are the
   transposed scale matrix: the input-gradient GEMM then reads a contracted-dimension-contiguous weight.
-  BF16 weights go through the CUDA kernel of `moe_ep._fp8` where it runs (the same bits, about twice
-  the Triton kernel's bandwidth is the aim).
+  BF16 weights go through the CUDA kernel of `moe_ep._fp8` where it runs: the same bits, at about
+  2.9 TB/s against this kernel's 2.4 TB/s on an H200.
 
 The arithmetic is the reference's, in float32: `amax = max(max|x|, 1e-4)`, `scale = amax / 448` and
 `1 / scale` as IEEE divisions (`div_rn`: Triton's `/` may be approximate), `q = e4m3(clamp(x * (1 /
