@@ -3,7 +3,7 @@
 DeepSeek-V3 expert shapes on one rank: 64 local experts, about 32768 expert-major rows in uneven
 segments padded to 16 rows; the gate/up projection (K 7168 -> M 4096) and the down projection
 (K 2048 -> M 7168). For each: forward and input gradient (dgrad: the same kernel against the
-transposed FP8 weight), FP8 (the `moe_ep._fp8_gemm` wgmma kernel where built, and Triton) vs BF16,
+transposed FP8 weight), FP8 (the `moe_ep._fp8` wgmma kernel where built, and Triton) vs BF16,
 CUDA-event medians; Triton's autotuned tile and every tile's time;
 the fused Triton casts (1x128 rows of the GEMM input and of the output gradient, the input rows cast
 back to BF16, 128x128 weight cast with its transposed copy) against the torch reference casts, which
@@ -86,13 +86,13 @@ def weight_cast_backends(w: torch.Tensor) -> list[str]:
 
 def bench_casts(x: torch.Tensor, grad: torch.Tensor, w: torch.Tensor) -> dict:
     """Fused Triton casts vs the torch reference: equality, times, and the Triton casts' bandwidth."""
+    want_q, want_scales = fp8.per_block_cast_to_fp8(w)
+    want_weight = (want_q, want_scales, want_q.transpose(-2, -1))
+    backends = weight_cast_backends(w)
     results = {"casts_bitwise": (same_bits(per_token_cast_to_fp8(x), fp8.per_token_cast_to_fp8(x))
                                  and same_bits(per_token_cast_to_fp8(grad), fp8.per_token_cast_to_fp8(grad))
-                                 and all(same_bits(per_block_cast_to_fp8_with_transpose(w, backend=backend)[:2],
-                                                   fp8.per_block_cast_to_fp8(w))
-                                         and same_bits(per_block_cast_to_fp8_with_transpose(w, backend=backend)[2:],
-                                                       (fp8.per_block_cast_to_fp8(w)[0].transpose(-2, -1),))
-                                         for backend in weight_cast_backends(w)))}
+                                 and all(same_bits(per_block_cast_to_fp8_with_transpose(w, backend=backend),
+                                                   want_weight) for backend in backends))}
     for name, tensor in (("rows", x), ("grad_rows", grad)):
         results[f"cast_{name}_us"] = local_median_us(lambda: per_token_cast_to_fp8(tensor))
         results[f"cast_{name}_torch_us"] = local_median_us(lambda: fp8.per_token_cast_to_fp8(tensor), iters=5)
@@ -103,8 +103,8 @@ def bench_casts(x: torch.Tensor, grad: torch.Tensor, w: torch.Tensor) -> dict:
     results["cast_back_rows_us"] = local_median_us(lambda: per_token_cast_back(q, scales))
     results["cast_back_rows_torch_us"] = local_median_us(lambda: fp8.per_token_cast_back(q, scales), iters=5)
     results["cast_back_rows_gbps"] = x.numel() * (1 + x.element_size()) / results["cast_back_rows_us"] / 1e3
-    for backend in weight_cast_backends(w):  # "cast_weight": the default ("auto") choice
-        name = "cast_weight" if backend == weight_cast_backends(w)[0] else f"cast_weight_{backend}"
+    for backend in backends:  # "cast_weight": the default ("auto") choice
+        name = "cast_weight" if backend == backends[0] else f"cast_weight_{backend}"
         results[f"{name}_us"] = local_median_us(lambda: per_block_cast_to_fp8_with_transpose(w, backend=backend))
         results[f"{name}_gbps"] = w.numel() * (w.element_size() + 2) / results[f"{name}_us"] / 1e3
     results["cast_weight_torch_us"] = local_median_us(lambda: fp8.per_block_cast_to_fp8(w), iters=5)

@@ -72,18 +72,24 @@ class ExpertSegments:
         device = tokens_per_expert.device
         self.packed = rows_per_expert is not None
         self.alignment = alignment if rows_per_expert is None else rows_per_expert
-        rows = torch.arange(num_rows, device=device)
         if rows_per_expert is None:
             self.offsets = tokens_per_expert.cumsum(0).to(torch.int32)
-            self.valid = rows < self.offsets[-1]
         else:
             num_experts = tokens_per_expert.numel()
             self.offsets = ((torch.arange(num_experts, device=device) + 1) * rows_per_expert).to(torch.int32)
-            self.valid = rows % rows_per_expert < tokens_per_expert.repeat_interleave(rows_per_expert)
             tokens_per_expert_list = [rows_per_expert] * num_experts
         self.num_rows = num_rows
+        self._rows_per_expert = rows_per_expert
         self._tokens_per_expert = tokens_per_expert
         self._host_counts = tokens_per_expert_list
+
+    @cached_property
+    def valid(self) -> torch.Tensor:
+        """`[N]` bool device mask of the rows that belong to an expert (built on first use only)."""
+        rows = torch.arange(self.num_rows, device=self.offsets.device)
+        if self._rows_per_expert is None:
+            return rows < self.offsets[-1]
+        return rows % self._rows_per_expert < self._tokens_per_expert.repeat_interleave(self._rows_per_expert)
 
     @cached_property
     def bounds(self) -> list[int]:
