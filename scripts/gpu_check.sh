@@ -2,12 +2,13 @@
 # One device call: build moe_ep._C, run tests/gpu, run the benchmarks; logs and JSON under $OUT, a
 # short table printed last.
 #   bash scripts/gpu_check.sh [parts] [extra intranode-benchmark args...]
-#   parts: comma list of build,test,bench,ll,layer,fp8gemm,examples,decodediag (default: the first six);
+#   parts: comma list of build,test,bench,ll,layer,fp8gemm,probe,examples,decodediag (default: the first six);
 #     test: every tests/gpu file on its own (FILE_TIMEOUT seconds each, one log), so a hang in one
 #     file costs only its own time; TESTS narrows the files, PYTEST_ARGS adds pytest options;
 #     bench: the intranode benchmark (BENCH_TIMEOUT); ll: the low-latency benchmark; layer: the MoE
 #     layer benchmark (LAYER_TIMEOUT, LAYER_ARGS: e.g. --profile-experts); fp8gemm: the FP8 grouped GEMMs (CUDA and Triton) against BF16 on
 #     one GPU (FP8GEMM_TIMEOUT, FP8GEMM_ARGS: e.g. --profile);
+#     probe: benchmarks/nvlink_probe.cu (push vs pull row copies between GPUs 0 and 1, no torch);
 #     examples: the DeepSeek-V3-style training on every GPU and the accelerate fine-tuning on 2 GPUs
 #     (EXAMPLES_TIMEOUT each, output in examples.log, loss curve and metrics in files.tgz).
 # Benchmarks run with MOE_EP_CHECK_VALUES=0 (no front-end value checks, as in DeepEP). At most 8 files come
@@ -83,6 +84,15 @@ has ll && run_bench low-latency "${LL_TIMEOUT:-120}" bench_low_latency.py bench_
 has layer && run_bench "MoE layer" "${LAYER_TIMEOUT:-200}" bench_moe_layer.py bench_moe_layer.json --world "$EP" ${LAYER_ARGS:-}
 has fp8gemm && run_bench "FP8 grouped GEMM" "${FP8GEMM_TIMEOUT:-150}" bench_fp8_grouped_gemm.py \
     bench_fp8_grouped_gemm.json ${FP8GEMM_ARGS:-}
+
+if has probe; then
+    start=$(date +%s)
+    echo "================ NVLink probe" >> "$OUT/bench.log"
+    nvcc -O3 -std=c++17 -gencode arch=compute_90a,code=sm_90a -o /tmp/nvlink_probe benchmarks/nvlink_probe.cu \
+        >> "$OUT/bench.log" 2>&1 && timeout 120 /tmp/nvlink_probe | tee "$FILES/nvlink_probe.jsonl" >> "$OUT/bench.log"
+    summary+=("probe: rc=$? in $(( $(date +%s) - start )) s")
+    tail -15 "$OUT/bench.log"
+fi
 
 if has decodediag; then
     test_id=${DIAG_TEST:-tests/gpu/test_moe_layer_gpu.py::test_low_latency_decode_matches_forward_on_gpu[decode_bf16-4]}

@@ -1,0 +1,216 @@
+// NVLink probe: how fast can SMs move rows between two GPUs when both do it at once, by pushing
+// (stores into the peer) or pulling (loads from the peer)? Evidence for the intranode combine design
+// (docs/perf-notes-intranode.md, variant 14). Standalone: no torch, one process driving GPUs 0 and 1
+// with peer access. Every mode moves `rows` rows of `row_bytes` (default 11,000 x 14,336 B = 158 MB,
+// the remote bytes one rank moves in the 4-rank benchmark) from one GPU's source buffer into the other
+// GPU's destination buffer, in both directions at the same time; the printed GB/s is per GPU and
+// direction (bytes / time of the slower GPU).
+//   nvcc -O3 -std=c++17 -gencode arch=compute_90a,code=sm_90a -o /tmp/nvlink_probe benchmarks/nvlink_probe.cu
+//   /tmp/nvlink_probe [rows] [row_bytes]   (prints one JSON object per line)
+#include <cstdint>
+#include <cstdio>
+#include <cstdlib>
+#include <cuda_runtime.h>
+
+#define CHECK(call)                                                                            \
+    do {                                                                                       \
+        cudaError_t e_ = (call);                                                               \
+        if (e_ != cudaSuccess) {                                                               \
+            std::fprintf(stderr, "%s:%d %s: %s\n", __FILE__, __LINE__, #call, cudaGetErrorString(e_)); \
+            std::exit(1);                                                                      \
+        }                                                                                      \
+    } while (0)
+
+namespace {
+
+enum Mode : int { kPushBulk = 0, kPullBulk = 1, kPullLoad = 2, kPushStore = 3, kLocalBulk = 4 };
+const char* kModeNames[] = {"push_bulk", "pull_bulk", "pull_ld", "push_st", "local_bulk"};
+
+__device__ __forceinline__ uint32_t smem_addr(const void* p) {
+    return static_cast<uint32_t>(__cvta_generic_to_shared(p));
+}
+__device__ __forceinline__ void mbar_init(uint64_t* bar) {
+    asm volatile("mbarrier.init.shared::cta.b64 [%0], 1;" ::"r"(smem_addr(bar)) : "memory");
+}
+__device__ __forceinline__ void mbar_expect(uint64_t* bar, uint32_t bytes) {
+    asm volatile("{\n .reg .b64 st;\n mbarrier.arrive.expect_tx.shared::cta.b64 st, [%0], %1;\n}" ::"r"(smem_addr(bar)),
+                 "r"(bytes)
+                 : "memory");
+}
+__device__ __forceinline__ void mbar_wait(uint64_t* bar, uint32_t parity) {
+    uint32_t done = 0;
+    while (!done) {
+        asm volatile(
+            "{\n .reg .pred p;\n mbarrier.try_wait.parity.shared::cta.b64 p, [%1], %2;\n selp.u32 %0, 1, 0, p;\n}"
+            : "=r"(done)
+            : "r"(smem_addr(bar)), "r"(parity)
+            : "memory");
+    }
+}
+__device__ __forceinline__ void bulk_load(void* dst, const void* src, uint32_t bytes, uint64_t* bar) {
+    asm volatile("cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1], %2, [%3];" ::"r"(
+                     smem_addr(dst)),
+                 "l"(src), "r"(bytes), "r"(smem_addr(bar))
+                 : "memory");
+}
+__device__ __forceinline__ void bulk_store(void* dst, const void* src, uint32_t bytes) {
+    asm volatile("cp.async.bulk.global.shared::cta.bulk_group [%0], [%1], %2;" ::"l"(dst), "r"(smem_addr(src)), "r"(bytes)
+                 : "memory");
+}
+__device__ __forceinline__ void bulk_commit() { asm volatile("cp.async.bulk.commit_group;" ::: "memory"); }
+template <int N>
+__device__ __forceinline__ void bulk_wait_read() {
+    asm volatile("cp.async.bulk.wait_group.read %0;" ::"n"(N) : "memory");
+}
+__device__ __forceinline__ void bulk_wait_all() { asm volatile("cp.async.bulk.wait_group 0;" ::: "memory"); }
+
+// Rows [begin, end) of pipeline `p` out of `n` pipelines.
+__device__ __forceinline__ void rows_of(int p, int n, int rows, int& begin, int& end) {
+    const int per = (rows + n - 1) / n;
+    begin = min(p * per, rows);
+    end = min(begin + per, rows);
+}
+
+constexpr int kLag = 3;  // stores left in flight before a stage is reused
+
+// Bulk modes: every warp's lane 0 runs one pipeline of `stages` shared-memory stages: bulk load a row,
+// bulk store it, loads issued stages - kLag rows ahead.
+__global__ void __launch_bounds__(128, 1) bulk_kernel(const uint8_t* src, uint8_t* dst, int rows, int row_bytes,
+                                                     int stages) {
+    extern __shared__ __align__(128) uint8_t smem[];
+    const int warp = threadIdx.x / 32, warps = blockDim.x / 32;
+    uint64_t* bars = reinterpret_cast<uint64_t*>(smem) + warp * 32;
+    uint8_t* buf = smem + 4096 + static_cast<size_t>(warp) * stages * row_bytes;
+    if ((threadIdx.x & 31) != 0) return;
+    for (int s = 0; s < stages; ++s) mbar_init(bars + s);
+    asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
+    int begin, end;
+    rows_of(blockIdx.x * warps + warp, gridDim.x * warps, rows, begin, end);
+    const int n = end - begin;
+    auto load = [&](int i) {
+        if (i >= n) return;
+        const int s = i % stages;
+        mbar_expect(bars + s, row_bytes);
+        bulk_load(buf + static_cast<size_t>(s) * row_bytes, src + static_cast<size_t>(begin + i) * row_bytes, row_bytes,
+                  bars + s);
+    };
+    for (int i = 0; i < stages - kLag; ++i) load(i);
+    for (int i = 0; i < n; ++i) {
+        const int s = i % stages;
+        mbar_wait(bars + s, (i / stages) & 1);
+        bulk_store(dst + static_cast<size_t>(begin + i) * row_bytes, buf + static_cast<size_t>(s) * row_bytes, row_bytes);
+        bulk_commit();
+        bulk_wait_read<kLag>();
+        load(i + stages - kLag);
+    }
+    bulk_wait_all();
+}
+
+// Load/store modes: a warp moves a row with 16-byte accesses, the whole row's loads in flight at once.
+constexpr int kUnitsPerLane = 28;  // 14,336-byte rows: 28 x 16 B per lane
+__global__ void __launch_bounds__(256, 1) ldst_kernel(const int4* src, int4* dst, int rows, int row_units) {
+    const int warp = threadIdx.x / 32, lane = threadIdx.x & 31, warps = blockDim.x / 32;
+    int begin, end;
+    rows_of(blockIdx.x * warps + warp, gridDim.x * warps, rows, begin, end);
+    for (int r = begin; r < end; ++r) {
+        int4 v[kUnitsPerLane];
+#pragma unroll
+        for (int u = 0; u < kUnitsPerLane; ++u)
+            if (lane + 32 * u < row_units) v[u] = __ldcg(src + static_cast<size_t>(r) * row_units + lane + 32 * u);
+#pragma unroll
+        for (int u = 0; u < kUnitsPerLane; ++u)
+            if (lane + 32 * u < row_units) __stcg(dst + static_cast<size_t>(r) * row_units + lane + 32 * u, v[u]);
+    }
+}
+
+struct Gpu {
+    uint8_t* src;
+    uint8_t* dst;
+    cudaStream_t stream;
+    cudaEvent_t start, stop;
+};
+
+}  // namespace
+
+int main(int argc, char** argv) {
+    const int rows = argc > 1 ? std::atoi(argv[1]) : 11000;
+    const int row_bytes = argc > 2 ? std::atoi(argv[2]) : 14336;
+    const size_t bytes = static_cast<size_t>(rows) * row_bytes;
+    int count = 0;
+    CHECK(cudaGetDeviceCount(&count));
+    if (count < 2) {
+        std::fprintf(stderr, "needs 2 GPUs, found %d\n", count);
+        return 1;
+    }
+    Gpu g[2];
+    for (int d = 0; d < 2; ++d) {
+        CHECK(cudaSetDevice(d));
+        CHECK(cudaDeviceEnablePeerAccess(1 - d, 0));
+        CHECK(cudaMalloc(&g[d].src, bytes));
+        CHECK(cudaMalloc(&g[d].dst, bytes));
+        CHECK(cudaMemset(g[d].src, d + 1, bytes));
+        CHECK(cudaStreamCreateWithFlags(&g[d].stream, cudaStreamNonBlocking));
+        CHECK(cudaEventCreate(&g[d].start));
+        CHECK(cudaEventCreate(&g[d].stop));
+        CHECK(cudaFuncSetAttribute(bulk_kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, 227 * 1024));
+    }
+    int sms = 0;
+    CHECK(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, 0));
+    const int sm_counts[] = {24, 48, sms};
+    for (int mode = 0; mode < 5; ++mode) {
+        for (int blocks : sm_counts) {
+            const bool bulk = mode == kPushBulk || mode == kPullBulk || mode == kLocalBulk;
+            const int warps = bulk ? 2 : 8;
+            const int stages = bulk ? (220 * 1024 - 4096) / (warps * row_bytes) : 0;
+            auto launch = [&](int d) {
+                const int peer = 1 - d;
+                // Pull: this GPU reads the peer's source into its own destination; push: the reverse.
+                const uint8_t* from = mode == kPullBulk || mode == kPullLoad ? g[peer].src : g[d].src;
+                uint8_t* to = mode == kPushBulk || mode == kPushStore ? g[peer].dst : g[d].dst;
+                if (bulk) {
+                    const size_t smem = 4096 + static_cast<size_t>(warps) * stages * row_bytes;
+                    bulk_kernel<<<blocks, 32 * warps, smem, g[d].stream>>>(from, to, rows, row_bytes, stages);
+                } else {
+                    ldst_kernel<<<blocks, 32 * warps, 0, g[d].stream>>>(reinterpret_cast<const int4*>(from),
+                                                                        reinterpret_cast<int4*>(to), rows, row_bytes / 16);
+                }
+            };
+            const int warmup = 2, iters = 10;
+            float worst_ms = 0.0f;
+            for (int it = 0; it < warmup + iters; ++it) {
+                for (int d = 0; d < 2; ++d) {
+                    CHECK(cudaSetDevice(d));
+                    CHECK(cudaStreamSynchronize(g[d].stream));
+                }
+                for (int d = 0; d < 2; ++d) {
+                    CHECK(cudaSetDevice(d));
+                    CHECK(cudaEventRecord(g[d].start, g[d].stream));
+                    launch(d);
+                    CHECK(cudaGetLastError());
+                    CHECK(cudaEventRecord(g[d].stop, g[d].stream));
+                }
+                float slowest = 0.0f;
+                for (int d = 0; d < 2; ++d) {
+                    CHECK(cudaSetDevice(d));
+                    CHECK(cudaEventSynchronize(g[d].stop));
+                    float ms = 0.0f;
+                    CHECK(cudaEventElapsedTime(&ms, g[d].start, g[d].stop));
+                    slowest = ms > slowest ? ms : slowest;
+                }
+                if (it >= warmup) worst_ms += slowest / iters;
+            }
+            // Check one row landed where it should (pushes and pulls both end in the other GPU's bytes).
+            uint8_t probe = 0;
+            CHECK(cudaSetDevice(0));
+            CHECK(cudaMemcpy(&probe, g[0].dst + bytes - 1, 1, cudaMemcpyDeviceToHost));
+            const int expected = mode == kLocalBulk ? 1 : 2;
+            std::printf(
+                "{\"mode\": \"%s\", \"sms\": %d, \"warps_per_block\": %d, \"stages_per_warp\": %d, \"bytes\": %zu, "
+                "\"time_us\": %.1f, \"gb_per_s\": %.1f, \"check\": %s}\n",
+                kModeNames[mode], blocks, warps, stages, bytes, worst_ms * 1e3, bytes / (worst_ms * 1e-3) / 1e9,
+                probe == expected ? "true" : "false");
+            std::fflush(stdout);
+        }
+    }
+    return 0;
+}
