@@ -7,9 +7,8 @@
 // senders make progress while its reducers wait for theirs.
 #include <algorithm>
 
-#include <cuda_bf16.h>
-#include <cuda_fp16.h>
-
+#include "combine_reduce.cuh"
+#include "combine_staged.cuh"
 #include "pipeline.cuh"
 
 namespace moe_ep::kernels {
@@ -21,77 +20,6 @@ constexpr int kCombineWarps = kCombineThreads / 32;
 // A sender publishes its tail for the rows whose stores completed, up to this many stores back, so
 // that publishing never drains its pipeline.
 constexpr int kPublishLag = 2;
-
-// Conversions of a pair of 16-bit floats.
-template <typename T>
-struct Pair16;
-
-template <>
-struct Pair16<__nv_bfloat16> {
-    using V = __nv_bfloat162;
-    static MOE_EP_DEVICE float2 widen(V v) { return __bfloat1622float2(v); }
-    static MOE_EP_DEVICE V narrow(float a, float b) { return __floats2bfloat162_rn(a, b); }
-};
-
-template <>
-struct Pair16<__half> {
-    using V = __half2;
-    static MOE_EP_DEVICE float2 widen(V v) { return __half22float2(v); }
-    static MOE_EP_DEVICE V narrow(float a, float b) { return __floats2half2_rn(a, b); }
-};
-
-// 16 bytes of T widened into accumulators.
-template <typename T>
-struct Pack {  // 16-bit floats: eight per 16 bytes, float accumulators
-    using Acc = float;
-    using P = Pair16<T>;
-    static constexpr int kN = 8;
-    static MOE_EP_DEVICE void add(Acc* acc, const int4& v) {
-        const typename P::V* h = reinterpret_cast<const typename P::V*>(&v);
-#pragma unroll
-        for (int i = 0; i < 4; ++i) {
-            const float2 f = P::widen(h[i]);
-            acc[2 * i] += f.x;
-            acc[2 * i + 1] += f.y;
-        }
-    }
-    static MOE_EP_DEVICE int4 pack(const Acc* acc) {
-        int4 v;
-        typename P::V* h = reinterpret_cast<typename P::V*>(&v);
-#pragma unroll
-        for (int i = 0; i < 4; ++i) h[i] = P::narrow(acc[2 * i], acc[2 * i + 1]);
-        return v;
-    }
-};
-
-template <>
-struct Pack<float> {
-    using Acc = float;
-    static constexpr int kN = 4;
-    static MOE_EP_DEVICE void add(Acc* acc, const int4& v) {
-        acc[0] += __int_as_float(v.x), acc[1] += __int_as_float(v.y);
-        acc[2] += __int_as_float(v.z), acc[3] += __int_as_float(v.w);
-    }
-    static MOE_EP_DEVICE int4 pack(const Acc* acc) {
-        return make_int4(__float_as_int(acc[0]), __float_as_int(acc[1]), __float_as_int(acc[2]), __float_as_int(acc[3]));
-    }
-};
-
-template <>
-struct Pack<double> {
-    using Acc = double;
-    static constexpr int kN = 2;
-    static MOE_EP_DEVICE void add(Acc* acc, const int4& v) {
-        const double* d = reinterpret_cast<const double*>(&v);
-        acc[0] += d[0], acc[1] += d[1];
-    }
-    static MOE_EP_DEVICE int4 pack(const Acc* acc) {
-        int4 v;
-        double* d = reinterpret_cast<double*>(&v);
-        d[0] = acc[0], d[1] = acc[1];
-        return v;
-    }
-};
 
 // Rows [start, start + count) of x that this rank sends back to `dest` for `channel`.
 MOE_EP_DEVICE void returned_rows(const CombineArgs& a, int channel, int rank, int num_ranks, int dest, int& start,
@@ -185,21 +113,11 @@ MOE_EP_DEVICE void send_rows(const CombineArgs& a, const StageRing& ring, int fi
     MOE_EP_PROF(timing.add(prof::kPublish, t_prof); timing.store(comm, prof::kCombine, channel, dest);)
 }
 
-MOE_EP_DEVICE int4 load_row_unit(const uint8_t* row, int unit, bool in_ring) {
-    const int4* p = reinterpret_cast<const int4*>(row) + unit;
-    return in_ring ? __ldcg(p) : __ldg(p);
-}
-
 // Reducer warps [first_warp, kCombineWarps) of the block: tokens of the channel round robin, heads
-// published after every chunk of 8 tokens per warp. kRanks bounds the world size: with at most 4 ranks
-// each lane keeps 3 16-byte units of every contribution in flight instead of 2 (the most that fit in
-// registers without spilling).
+// published after every chunk of 8 tokens per warp.
 template <typename T, int kRanks>
 MOE_EP_DEVICE void reduce_channel(const CombineArgs& a, int channel, int first_warp, int slot_bytes,
                                   const CommContext& comm, volatile int* abort) {
-    using P = Pack<T>;
-    using Acc = typename P::Acc;
-    constexpr int kUnroll = kRanks == 4 ? 3 : 2;
     __shared__ int s_head[2][kMaxRanks];  // consumed ring positions, per chunk parity
     const int num_warps = kCombineWarps - first_warp, num_threads = 32 * num_warps;
     const int warp = threadIdx.x / 32 - first_warp, lane = threadIdx.x & 31, thread = threadIdx.x - 32 * first_warp;
@@ -218,7 +136,6 @@ MOE_EP_DEVICE void reduce_channel(const CombineArgs& a, int channel, int first_w
     const uint8_t* my_ring =
         comm.peers.data[me] + ring_offset(channel, lane < R ? lane : 0, R, a.ring_slots, slot_bytes);
     int tail_seen = 0, published = 0;
-    const int units = a.row_bytes / 16;
 
     // A chunk never needs more ring positions than a ring holds: its heads are only published after it.
     // Eight tokens per warp between the reducers' barriers: a barrier waits for the warp whose token
@@ -271,53 +188,7 @@ MOE_EP_DEVICE void reduce_channel(const CombineArgs& a, int channel, int first_w
                 rows[r] = reinterpret_cast<const uint8_t*>(
                     __shfl_sync(kFullMask, reinterpret_cast<unsigned long long>(row), r));
 
-            const size_t out_row = static_cast<size_t>(t) * a.row_bytes;
-            for (int u0 = lane; u0 < units; u0 += 32 * kUnroll) {
-                Acc acc[kUnroll][P::kN];
-#pragma unroll
-                for (int i = 0; i < kUnroll; ++i) {
-#pragma unroll
-                    for (int e = 0; e < P::kN; ++e) acc[i][e] = Acc(0);
-                }
-                for (const void* bias : {a.bias_0, a.bias_1}) {
-                    if (bias == nullptr) continue;
-#pragma unroll
-                    for (int i = 0; i < kUnroll; ++i)
-                        if (u0 + 32 * i < units)
-                            P::add(acc[i], load_row_unit(static_cast<const uint8_t*>(bias) + out_row, u0 + 32 * i, false));
-                }
-                // Every contribution's loads are issued before the first add: one memory latency per step.
-                int4 v[kRanks][kUnroll];
-#pragma unroll
-                for (int r = 0; r < kRanks; ++r)
-#pragma unroll
-                    for (int i = 0; i < kUnroll; ++i)
-                        if (((mask >> r) & 1) && u0 + 32 * i < units) v[r][i] = load_row_unit(rows[r], u0 + 32 * i, r != me);
-#pragma unroll
-                for (int r = 0; r < kRanks; ++r)
-#pragma unroll
-                    for (int i = 0; i < kUnroll; ++i)
-                        if (((mask >> r) & 1) && u0 + 32 * i < units) P::add(acc[i], v[r][i]);
-#pragma unroll
-                for (int i = 0; i < kUnroll; ++i)
-                    if (u0 + 32 * i < units)
-                        reinterpret_cast<int4*>(static_cast<uint8_t*>(a.combined_x) + out_row)[u0 + 32 * i] =
-                            P::pack(acc[i]);
-            }
-            if (a.combined_topk_weights != nullptr && lane < a.num_topk) {
-                float w = 0.0f;
-#pragma unroll
-                for (int r = 0; r < kRanks; ++r) {
-                    if (!((mask >> r) & 1)) continue;
-                    if (r == me) {
-                        const int self_row = static_cast<int>((rows[r] - static_cast<const uint8_t*>(a.x)) / a.row_bytes);
-                        w += __ldg(a.topk_weights + static_cast<size_t>(self_row) * a.num_topk + lane);
-                    } else {
-                        w += __ldcg(reinterpret_cast<const float*>(rows[r] + a.row_bytes) + lane);
-                    }
-                }
-                a.combined_topk_weights[static_cast<size_t>(t) * a.num_topk + lane] = w;
-            }
+            reduce_token<T, kRanks>(a, t, mask, rows, me, lane);
             if (((mask >> lane) & 1) && lane != me) atomicMax(&s_head[parity][lane], pos + 1);
             MOE_EP_PROF(t_prof = timing.add(prof::kCopy, t_prof);)
         }
@@ -336,6 +207,41 @@ MOE_EP_DEVICE void reduce_channel(const CombineArgs& a, int channel, int first_w
     MOE_EP_PROF(timing.store(comm, prof::kCombine, channel, prof::kCombineReducer, true, warp == 0);)
 }
 
+// Shared-memory stages of the staged path: per sender pipeline, stages of `slots` slots.
+struct StagedShape {
+    int stages;  // 0: the staged path cannot run
+    int slots;
+};
+
+// Both combine kernels are launched; the one that the plan (the same on every rank) does not choose
+// returns at once. Two kernels rather than one with two branches, so that each gets its own registers.
+constexpr int kStagedThreads = 32 * (kStagedSenderWarps + 12);
+
+template <typename T, int kRanks>
+__global__ void __launch_bounds__(kStagedThreads, 1) combine_staged_kernel(CombineArgs a, CommContext comm,
+                                                                            int slot_bytes, StagedShape shape) {
+    extern __shared__ __align__(1024) uint8_t smem[];
+    __shared__ volatile int s_abort;
+    __shared__ StagedStage s_desc[kStagedSenderWarps][kStagedMaxStages];
+    __shared__ StagedStage s_sent[kStagedSenderWarps][kMaxBulkLag + 1];
+    if (ld_volatile(comm.peers.ctrl[comm.rank] + ctrl::kDispatchCancelled) != 0) return;  // see combine_kernel
+    const StagingPlan plan = plan_staging(a, comm.num_ranks, slot_bytes);
+    if (!plan.staged) return;
+    if (blockIdx.x == 0 && threadIdx.x == 0) comm.flags->combine_path = kCombineStaged;
+    const int warp = threadIdx.x / 32;
+    if (threadIdx.x == 0) s_abort = 0;
+    const int stage_bytes = shape.slots * slot_bytes;
+    const int pipe = warp < kStagedSenderWarps ? warp : 0;
+    const StageRing ring = make_stage_ring(smem + pipe * stage_ring_smem_bytes(shape.stages, stage_bytes), shape.stages,
+                                           stage_bytes, warp < kStagedSenderWarps && threadIdx.x % 32 == 0);
+    __syncthreads();
+    if (warp < kStagedSenderWarps)
+        send_staged(a, ring, s_desc[warp], s_sent[warp], blockIdx.x * kStagedSenderWarps + warp, gridDim.x * kStagedSenderWarps,
+                    slot_bytes, shape.slots, plan.chunk_rows, comm, &s_abort);
+    else
+        reduce_staged<T, kRanks>(a, kStagedSenderWarps, slot_bytes, plan.chunk_rows, comm, &s_abort);
+}
+
 template <typename T, int kRanks>
 __global__ void __launch_bounds__(kCombineThreads, 1) combine_kernel(CombineArgs a, CommContext comm, int num_stages,
                                                                       int slot_bytes) {
@@ -344,6 +250,8 @@ __global__ void __launch_bounds__(kCombineThreads, 1) combine_kernel(CombineArgs
     // The handle of a dispatch cancelled by an overflow (its error surfaces at the next call) has
     // prefix matrices that do not match the expert outputs: read nothing.
     if (ld_volatile(comm.peers.ctrl[comm.rank] + ctrl::kDispatchCancelled) != 0) return;
+    if (plan_staging(a, comm.num_ranks, slot_bytes).staged) return;
+    if (blockIdx.x == 0 && threadIdx.x == 0) comm.flags->combine_path = kCombineRings;
     const int channel = blockIdx.x, warp = threadIdx.x / 32, senders = comm.num_ranks - 1;
     if (threadIdx.x == 0) s_abort = 0;
     const StageRing ring = make_stage_ring(smem, num_stages, slot_bytes, threadIdx.x == 0);
@@ -365,16 +273,30 @@ cudaError_t launch_for_ranks(const CombineArgs& args, const CommContext& comm, c
     // At least one stage per destination; the reducers need at least one warp.
     if (stages < comm.num_ranks - 1 || comm.num_ranks > kRanks || comm.num_ranks >= kCombineWarps)
         return cudaErrorInvalidValue;
+    StagedShape staged{0, std::max(1, std::min(32, kStagedStageBytes / slot_bytes))};
+    staged.stages = std::min(kStagedMaxStages, max_pipeline_stages(staged.slots * slot_bytes, kStagedSenderWarps));
+    CombineArgs a = args;
+    if (staged.stages < 2) a.staging_bytes = 0;
+    cudaError_t err = cudaSuccess;
+    if (a.staging_bytes > 0) {
+        const size_t smem = kStagedSenderWarps * stage_ring_smem_bytes(staged.stages, staged.slots * slot_bytes);
+        err = cudaFuncSetAttribute(combine_staged_kernel<T, kRanks>, cudaFuncAttributeMaxDynamicSharedMemorySize,
+                                   static_cast<int>(smem));
+        if (err != cudaSuccess) return err;
+        combine_staged_kernel<T, kRanks><<<args.num_channels, kStagedThreads, smem, stream>>>(a, comm, slot_bytes, staged);
+        if ((err = cudaGetLastError()) != cudaSuccess) return err;
+    }
     const size_t smem = stage_ring_smem_bytes(stages, slot_bytes);
-    cudaError_t err = cudaFuncSetAttribute(combine_kernel<T, kRanks>, cudaFuncAttributeMaxDynamicSharedMemorySize,
-                                           static_cast<int>(smem));
+    err = cudaFuncSetAttribute(combine_kernel<T, kRanks>, cudaFuncAttributeMaxDynamicSharedMemorySize,
+                               static_cast<int>(smem));
     if (err != cudaSuccess) return err;
-    combine_kernel<T, kRanks><<<args.num_channels, kCombineThreads, smem, stream>>>(args, comm, stages, slot_bytes);
+    combine_kernel<T, kRanks><<<args.num_channels, kCombineThreads, smem, stream>>>(a, comm, stages, slot_bytes);
     return cudaGetLastError();
 }
 
 template <typename T>
 cudaError_t launch_typed(const CombineArgs& args, const CommContext& comm, cudaStream_t stream) {
+    if (comm.num_ranks <= 2) return launch_for_ranks<T, 2>(args, comm, stream);
     return comm.num_ranks <= 4 ? launch_for_ranks<T, 4>(args, comm, stream)
                                : launch_for_ranks<T, kMaxRanks>(args, comm, stream);
 }
