@@ -2,8 +2,7 @@
 
 Spawns one process per GPU (NCCL group), builds DeepEP's standard workload (tokens per rank, hidden,
 top-k of E experts, uniform random routing) and reports for dispatch BF16, dispatch FP8 and combine
-BF16 (through the rings, the default, and through the staging area, which this benchmark's buffer holds) the
-time (median over iterations, slowest rank) and the bandwidth in two metrics:
+BF16 the time (median over iterations, slowest rank) and the bandwidth in two metrics:
   * DeepEP's: bytes of the receive buffer on a rank, its own tokens included (FP8: data + scales);
   * remote: bytes that cross NVLink (rows received from other ranks).
 NCCL all_to_all_single moving the same remote rows (BF16) is timed in the same run. A tuning sweep
@@ -86,17 +85,11 @@ class Bench:
             out[f"{name}_deepep_gbs"] = self.recv_rows * row / t / 1e3
             out[f"{name}_remote_gbs"] = self.remote_rows * row / t / 1e3
         recv_x, _, recv_w, _, handle, _ = self.dispatch(dispatch_config, False)
-        backend = self.buffer._cuda
-        default = backend.staged_combine
-        for name, staged in (("combine_bf16", False), ("combine_staged_bf16", True)):
-            backend.staged_combine = staged
-            t = median_time_us(lambda: self.buffer.combine(recv_x, handle, topk_weights=recv_w, config=combine_config),
-                               self.warmup, self.iters)
-            out[f"{name}_us"] = t
-            out[f"{name}_deepep_gbs"] = self.recv_rows * row_bf16 / t / 1e3
-            out[f"{name}_remote_gbs"] = self.remote_rows * row_bf16 / t / 1e3
-            out[f"{name}_path"] = backend.last_combine_path()
-        backend.staged_combine = default
+        t = median_time_us(lambda: self.buffer.combine(recv_x, handle, topk_weights=recv_w, config=combine_config),
+                     self.warmup, self.iters)
+        out["combine_bf16_us"] = t
+        out["combine_bf16_deepep_gbs"] = self.recv_rows * row_bf16 / t / 1e3
+        out["combine_bf16_remote_gbs"] = self.remote_rows * row_bf16 / t / 1e3
         return out
 
     def measure_kernels(self, dispatch_config: moe_ep.Config, combine_config: moe_ep.Config) -> dict[str, float]:
@@ -110,21 +103,10 @@ class Bench:
             out[f"dispatch_{name}_kernel_deepep_gbs"] = self.recv_rows * row / times["dispatch"] / 1e3
             out[f"notify_{name}_kernel_us"] = times["notify"]
         recv_x, _, recv_w, _, handle, _ = self.dispatch(dispatch_config, False)
-        backend = self.buffer._cuda
-        default = backend.staged_combine
-        # Both combine kernels are launched every call; the one not chosen returns at once.
-        rings, staged = "(?<![A-Za-z_])combine_kernel", "combine_staged_kernel"
-        for name, use_staging in (("combine_bf16", False), ("combine_staged_bf16", True)):
-            backend.staged_combine = use_staging
-            times = kernel_median_us(
-                lambda: self.buffer.combine(recv_x, handle, topk_weights=recv_w, config=combine_config),
-                {"rings": rings, "staged": staged}, self.iters)
-            t = times["staged"] if use_staging else times["rings"]
-            out[f"{name}_kernel_us"] = t
-            out[f"{name}_kernel_deepep_gbs"] = self.recv_rows * self.hidden * 2 / t / 1e3
-            if use_staging:
-                out["combine_staged_bf16_idle_ring_kernel_us"] = times["rings"]
-        backend.staged_combine = default
+        t = kernel_median_us(lambda: self.buffer.combine(recv_x, handle, topk_weights=recv_w, config=combine_config),
+                             {"combine": "combine_kernel"}, self.iters)["combine"]
+        out["combine_bf16_kernel_us"] = t
+        out["combine_bf16_kernel_deepep_gbs"] = self.recv_rows * self.hidden * 2 / t / 1e3
         return out
 
     def measure_layout(self) -> float:
@@ -210,10 +192,7 @@ def _worker(rank: int, world: int, port: int, args: argparse.Namespace, results)
         if rank == 0:
             print(f"[world {world}] sms={num_sms:2d} chunk={send_chunk:2d} ring={ring:3d}: "
                   f"dispatch {result['dispatch_bf16_us']:7.1f} us, fp8 {result['dispatch_fp8_us']:7.1f} us, "
-                  f"combine {result['combine_bf16_us']:7.1f} us ({result['combine_bf16_path']}), "
-                  f"staged {result['combine_staged_bf16_us']:7.1f} us ({result['combine_staged_bf16_path']}) "
-                  f"({time.time() - started:.1f} s)",
-                  flush=True)
+                  f"combine {result['combine_bf16_us']:7.1f} us ({time.time() - started:.1f} s)", flush=True)
     report["sweep"] = sweep
     max_sms = args.max_sms
     eligible = [s for s in sweep if s["num_sms"] <= max_sms]
@@ -300,8 +279,7 @@ def _table(reports: list[dict]) -> str:
         nccl, kernels = rep["nccl"], rep.get("kernels", {})
         for op, key, best in (("dispatch bf16", "dispatch_bf16", rep["best_dispatch"]),
                               ("dispatch fp8", "dispatch_fp8", rep["best_dispatch"]),
-                              ("combine bf16", "combine_bf16", rep["best_combine"]),
-                              ("combine staged", "combine_staged_bf16", rep["best_combine"])):
+                              ("combine bf16", "combine_bf16", rep["best_combine"])):
             kernel_us = kernels.get(key + "_kernel_us", float("nan"))
             kernel_gbs = kernels.get(key + "_kernel_deepep_gbs", float("nan"))
             lines.append(f"{rep['world']:5d}  {op:13s}  {best['num_sms']:3d}  {best[key + '_us']:8.1f}  "

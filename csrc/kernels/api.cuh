@@ -39,11 +39,7 @@ constexpr int kTail = 32;                                  // [kMaxChannels][kMa
 constexpr int kHead = kTail + kMaxChannels * kMaxRanks;    // [kMaxChannels][kMaxRanks] written by receivers
 constexpr int kNotify = kHead + kMaxChannels * kMaxRanks;  // [kMaxRanks][kNotifySlot] written by peers
 constexpr int kNotifySlot = kMaxRanks + kMaxChannels + kMaxLocalExperts + 8;
-// Staged combine: rows of each chunk of source r's staging block that have landed, [kMaxRanks][kStagingChunks],
-// added to by r's senders once their bulk stores completed.
-constexpr int kStagingChunks = 1024;
-constexpr int kStagingReady = kNotify + kMaxRanks * kNotifySlot;
-constexpr int kInts = kStagingReady + kMaxRanks * kStagingChunks;
+constexpr int kInts = kNotify + kMaxRanks * kNotifySlot;
 constexpr int64_t kBytes = (kInts * 4 + 4095) / 4096 * 4096;
 }  // namespace ctrl
 
@@ -65,8 +61,6 @@ struct HostFlags {
     int recv_cancelled;  // written with recv_count: 1 when a num_worst_tokens overflow cancelled the dispatch
     int expert_counts[kMaxLocalExperts];  // received slots per local expert, aligned (num_worst_tokens == 0 only)
     WorstTokensOverflow overflow;
-    int combine_path;  // CombinePath of the latest combine kernel on this rank
-
 };
 
 enum ErrorCode : int {
@@ -128,8 +122,6 @@ constexpr int kDispatchRecvLoader = kDispatchLoaders + 2;
 constexpr int kDispatchRecvStorer = kDispatchLoaders + 3;
 // Combine roles: sender warp for destination d is role d; the reducer warps share one record.
 constexpr int kCombineReducer = kMaxRanks;
-// Staged combine: sender pipeline w is role kStagedSender + w; its reducers use kCombineReducer.
-constexpr int kStagedSender = kCombineReducer + 1;
 constexpr int kRecordInt64s = kRoles * kFields;
 constexpr int kKernelInt64s = kMaxChannels * kRecordInt64s;
 constexpr int kInt64s = kNumKernels * kKernelInt64s;
@@ -238,20 +230,8 @@ struct CombineArgs {
     int num_channels;
     int ring_slots;
     int publish_every;
-    // Staged combine when every rank's staging area fits into this many bytes of its NVLink buffer's
-    // data region (0: always the rings). The kernel decides from rank_prefix_matrix, the same way on
-    // every rank.
-    int64_t staging_bytes;
 };
 
-enum CombinePath : int { kCombineNone = 0, kCombineStaged = 1, kCombineRings = 2 };
-
-// Two ways to return the rows, chosen inside the kernel (and reported in HostFlags::combine_path):
-// - staged (when the staging area fits): every rank bulk-copies the rows it received from owner d into
-//   d's staging area, one block per source rank in rank order, slot = row + k weights; no flow control,
-//   only a ready count per chunk of rows. Sender pipelines take equal slices of every source block.
-// - rings (otherwise): per (channel, rank pair) rings with head/tail flow control.
-// Reducers of both read this rank's own contribution in place and sum in the torch backend's order.
 cudaError_t launch_combine(const CombineArgs& args, const CommContext& comm, cudaStream_t stream);
 
 // ---------------------------------------------------------------------------------------------

@@ -8,7 +8,6 @@
 #include <algorithm>
 
 #include "combine_reduce.cuh"
-#include "combine_staged.cuh"
 #include "pipeline.cuh"
 
 namespace moe_ep::kernels {
@@ -207,41 +206,6 @@ MOE_EP_DEVICE void reduce_channel(const CombineArgs& a, int channel, int first_w
     MOE_EP_PROF(timing.store(comm, prof::kCombine, channel, prof::kCombineReducer, true, warp == 0);)
 }
 
-// Shared-memory stages of the staged path: per sender pipeline, stages of `slots` slots.
-struct StagedShape {
-    int stages;  // 0: the staged path cannot run
-    int slots;
-};
-
-// Both combine kernels are launched; the one that the plan (the same on every rank) does not choose
-// returns at once. Two kernels rather than one with two branches, so that each gets its own registers.
-constexpr int kStagedThreads = 32 * (kStagedSenderWarps + 12);
-
-template <typename T, int kRanks>
-__global__ void __launch_bounds__(kStagedThreads, 1) combine_staged_kernel(CombineArgs a, CommContext comm,
-                                                                            int slot_bytes, StagedShape shape) {
-    extern __shared__ __align__(1024) uint8_t smem[];
-    __shared__ volatile int s_abort;
-    __shared__ StagedStage s_desc[kStagedSenderWarps][kStagedMaxStages];
-    __shared__ StagedStage s_sent[kStagedSenderWarps][kMaxBulkLag + 1];
-    if (ld_volatile(comm.peers.ctrl[comm.rank] + ctrl::kDispatchCancelled) != 0) return;  // see combine_kernel
-    const StagingPlan plan = plan_staging(a, comm.num_ranks, slot_bytes);
-    if (!plan.staged) return;
-    if (blockIdx.x == 0 && threadIdx.x == 0) comm.flags->combine_path = kCombineStaged;
-    const int warp = threadIdx.x / 32;
-    if (threadIdx.x == 0) s_abort = 0;
-    const int stage_bytes = shape.slots * slot_bytes;
-    const int pipe = warp < kStagedSenderWarps ? warp : 0;
-    const StageRing ring = make_stage_ring(smem + pipe * stage_ring_smem_bytes(shape.stages, stage_bytes), shape.stages,
-                                           stage_bytes, warp < kStagedSenderWarps && threadIdx.x % 32 == 0);
-    __syncthreads();
-    if (warp < kStagedSenderWarps)
-        send_staged(a, ring, s_desc[warp], s_sent[warp], blockIdx.x * kStagedSenderWarps + warp, gridDim.x * kStagedSenderWarps,
-                    slot_bytes, shape.slots, plan.chunk_rows, comm, &s_abort);
-    else
-        reduce_staged<T, kRanks>(a, kStagedSenderWarps, slot_bytes, plan.chunk_rows, comm, &s_abort);
-}
-
 template <typename T, int kRanks>
 __global__ void __launch_bounds__(kCombineThreads, 1) combine_kernel(CombineArgs a, CommContext comm, int num_stages,
                                                                       int slot_bytes) {
@@ -250,8 +214,6 @@ __global__ void __launch_bounds__(kCombineThreads, 1) combine_kernel(CombineArgs
     // The handle of a dispatch cancelled by an overflow (its error surfaces at the next call) has
     // prefix matrices that do not match the expert outputs: read nothing.
     if (ld_volatile(comm.peers.ctrl[comm.rank] + ctrl::kDispatchCancelled) != 0) return;
-    if (plan_staging(a, comm.num_ranks, slot_bytes).staged) return;
-    if (blockIdx.x == 0 && threadIdx.x == 0) comm.flags->combine_path = kCombineRings;
     const int channel = blockIdx.x, warp = threadIdx.x / 32, senders = comm.num_ranks - 1;
     if (threadIdx.x == 0) s_abort = 0;
     const StageRing ring = make_stage_ring(smem, num_stages, slot_bytes, threadIdx.x == 0);
@@ -273,24 +235,11 @@ cudaError_t launch_for_ranks(const CombineArgs& args, const CommContext& comm, c
     // At least one stage per destination; the reducers need at least one warp.
     if (stages < comm.num_ranks - 1 || comm.num_ranks > kRanks || comm.num_ranks >= kCombineWarps)
         return cudaErrorInvalidValue;
-    StagedShape staged{0, std::max(1, std::min(32, kStagedStageBytes / slot_bytes))};
-    staged.stages = std::min(kStagedMaxStages, max_pipeline_stages(staged.slots * slot_bytes, kStagedSenderWarps));
-    CombineArgs a = args;
-    if (staged.stages < 2) a.staging_bytes = 0;
-    cudaError_t err = cudaSuccess;
-    if (a.staging_bytes > 0) {
-        const size_t smem = kStagedSenderWarps * stage_ring_smem_bytes(staged.stages, staged.slots * slot_bytes);
-        err = cudaFuncSetAttribute(combine_staged_kernel<T, kRanks>, cudaFuncAttributeMaxDynamicSharedMemorySize,
-                                   static_cast<int>(smem));
-        if (err != cudaSuccess) return err;
-        combine_staged_kernel<T, kRanks><<<args.num_channels, kStagedThreads, smem, stream>>>(a, comm, slot_bytes, staged);
-        if ((err = cudaGetLastError()) != cudaSuccess) return err;
-    }
     const size_t smem = stage_ring_smem_bytes(stages, slot_bytes);
-    err = cudaFuncSetAttribute(combine_kernel<T, kRanks>, cudaFuncAttributeMaxDynamicSharedMemorySize,
-                               static_cast<int>(smem));
+    cudaError_t err = cudaFuncSetAttribute(combine_kernel<T, kRanks>, cudaFuncAttributeMaxDynamicSharedMemorySize,
+                                           static_cast<int>(smem));
     if (err != cudaSuccess) return err;
-    combine_kernel<T, kRanks><<<args.num_channels, kCombineThreads, smem, stream>>>(a, comm, stages, slot_bytes);
+    combine_kernel<T, kRanks><<<args.num_channels, kCombineThreads, smem, stream>>>(args, comm, stages, slot_bytes);
     return cudaGetLastError();
 }
 

@@ -1,4 +1,4 @@
-// The combine's arithmetic, shared by its ring and staged paths: one token's reduction over the
+// The combine's arithmetic, apart from its ring protocol (combine.cu): one token's reduction over the
 // contributions of every rank it was dispatched to, bias first, then ranks 0..R-1 in order, in float32
 // (float64 for double), exactly like the torch backend.
 #pragma once
@@ -81,8 +81,8 @@ struct Pack<double> {
     }
 };
 
-// 16-byte unit `unit` of a row. Rows that peers wrote during this kernel (ring slots, staging slots)
-// are read through L2 only.
+// 16-byte unit `unit` of a row. Rows that peers wrote during this kernel (ring slots) are read through
+// L2 only.
 MOE_EP_DEVICE int4 load_row_unit(const uint8_t* row, int unit, bool written_by_peer) {
     const int4* p = reinterpret_cast<const int4*>(row) + unit;
     return written_by_peer ? __ldcg(p) : __ldg(p);

@@ -299,12 +299,10 @@ MOE_EP_DEVICE bool rank_barrier(const CommContext& comm, volatile int* abort) {
     return *abort == 0;
 }
 
-// Clears this rank's ring tails and heads and its staging ready counts (peers write them during data
-// kernels).
+// Clears this rank's ring tails and heads (peers write them during data kernels).
 MOE_EP_DEVICE void clear_ring_counters(const CommContext& comm) {
     int* own = comm.peers.ctrl[comm.rank];
     for (int i = threadIdx.x; i < 2 * kMaxChannels * kMaxRanks; i += blockDim.x) own[ctrl::kTail + i] = 0;
-    for (int i = threadIdx.x; i < kMaxRanks * ctrl::kStagingChunks; i += blockDim.x) own[ctrl::kStagingReady + i] = 0;
 }
 
 // Byte offset of the ring (channel, source) inside a receiver's data region.

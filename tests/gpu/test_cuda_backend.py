@@ -1,8 +1,7 @@
 """The CUDA backend against the torch backend (the oracle) on the same inputs, over NCCL at 2-4 ranks.
 
 Every output must be bitwise identical: dispatch data, scales, top-k ids and weights, expert counts,
-every handle tensor; combine (same float32 summation order) through both of its paths, the staging
-area and the rings; cached dispatch; padding.
+every handle tensor; combine (same float32 summation order); cached dispatch; padding.
 """
 
 from __future__ import annotations
@@ -136,16 +135,9 @@ def _round_trip(buffer: moe_ep.Buffer, c: Case, x: object, topk_idx: torch.Tenso
     recv_x = recv[0][0] if c.use_fp8 else recv[0]
     if not c.use_fp8:
         y = expert_output(recv_x, rank)
-        for path in ("staged", "rings") if buffer._cuda is not None else ("torch",):
-            if buffer._cuda is not None:
-                buffer._cuda.staged_combine = path == "staged"
-            combined = buffer.combine(y, handle, topk_weights=recv[2], bias=bias, config=config, **extra)
-            combined[-1].current_stream_wait()
-            out[f"combine_{path}"] = combined[:2]
-            if buffer._cuda is not None:
-                assert buffer._cuda.last_combine_path() == path
-        if buffer._cuda is not None:
-            buffer._cuda.staged_combine = False
+        combined = buffer.combine(y, handle, topk_weights=recv[2], bias=bias, config=config, **extra)
+        combined[-1].current_stream_wait()
+        out["combine"] = combined[:2]
     torch.cuda.synchronize()
     return out
 
@@ -164,9 +156,8 @@ def _compare_backends(rank: int, world: int, case: dict, seed: int = 1234, async
     _same(got["layout"], expected["layout"], "layout")
     _same(got["dispatch"], expected["dispatch"], "dispatch")
     _same(got["cached"], got["dispatch"][0], "cached dispatch")
-    if "combine_torch" in expected:
-        _same(got["combine_staged"], expected["combine_torch"], "staged combine")
-        _same(got["combine_rings"], expected["combine_torch"], "combine through the rings")
+    if "combine" in expected:
+        _same(got["combine"], expected["combine"], "combine")
     recv_x = got["dispatch"][0]
     return (recv_x[0] if isinstance(recv_x, tuple) else recv_x).size(0)
 
@@ -310,33 +301,6 @@ def test_num_worst_tokens_overflow_raises_everywhere(nccl_pool, scenario: str) -
         assert message.startswith(f"num_worst_tokens: too small, rank {overflowing} receives"), message
     # Other Buffers of the same ranks are unaffected.
     nccl_pool(world).run(_compare_backends, asdict(Case("after_overflow", hidden=256, num_worst_extra=0)))
-
-
-def _path_by_buffer_size(rank: int, world: int, nvl_bytes: int) -> str:
-    """Staged combine needs the rows every rank dispatched (x slot bytes) in its NVLink buffer; with
-    less, the same call goes through the rings. Both must equal the torch backend."""
-    c = Case("staging_fit", tokens=(2000, 1900), hidden=7168, config=(4, 6, 32))
-    torch_buf = _buffers(dist.group.WORLD)[0]
-    cuda_buf = moe_ep.Buffer(dist.group.WORLD, nvl_bytes, backend="cuda", explicitly_destroy=True)
-    cuda_buf._cuda.staged_combine = True
-    x, topk_idx, topk_weights, num_experts = _inputs(c, rank, world, 31)
-    expected = _round_trip(torch_buf, c, x, topk_idx, topk_weights, num_experts, 0, None, rank)
-    config = moe_ep.Config(c.config[0], c.config[1], c.config[2], 6, 128)
-    recv_x, _, recv_weights, _, handle, _ = cuda_buf.dispatch(
-        x, topk_idx=topk_idx, topk_weights=topk_weights, config=config,
-        **dict(zip(("num_tokens_per_rank", "num_tokens_per_rdma_rank", "num_tokens_per_expert", "is_token_in_rank"),
-                   cuda_buf.get_dispatch_layout(topk_idx, num_experts)[:4])))
-    combined = cuda_buf.combine(expert_output(recv_x, rank), handle, topk_weights=recv_weights, config=config)
-    _same(combined[:2], expected["combine_torch"], "combine")
-    path = cuda_buf._cuda.last_combine_path()
-    cuda_buf.destroy()
-    return path
-
-
-@pytest.mark.parametrize("nvl_bytes, path", [(1 << 24, "rings"), (1 << 26, "staged")])
-def test_combine_takes_the_rings_when_staging_does_not_fit(nccl_pool, nvl_bytes: int, path: str) -> None:
-    # About 1,850 rows of 14,352 bytes (row and 4 weights) come back to each rank: 26.5 MB.
-    assert nccl_pool(2).run(_path_by_buffer_size, nvl_bytes, timeout=120) == [path, path]
 
 
 def _absent_peer(rank: int, world: int) -> str:
