@@ -5,12 +5,15 @@
 // the remote bytes one rank moves in the 4-rank benchmark) from one GPU's source buffer into the other
 // GPU's destination buffer, in both directions at the same time; the printed GB/s is per GPU and
 // direction (bytes / time of the slower GPU).
-//   nvcc -O3 -std=c++17 -gencode arch=compute_90a,code=sm_90a -o /tmp/nvlink_probe benchmarks/nvlink_probe.cu
+//   nvcc -O3 -std=c++17 -I csrc/kernels -gencode arch=compute_90a,code=sm_90a -o /tmp/nvlink_probe \
+//       benchmarks/nvlink_probe.cu
 //   /tmp/nvlink_probe [rows] [row_bytes]   (prints one JSON object per line)
 #include <cstdint>
 #include <cstdio>
 #include <cstdlib>
 #include <cuda_runtime.h>
+
+#include "common.cuh"  // bulk copies and mbarriers of the kernels (csrc/kernels)
 
 #define CHECK(call)                                                                            \
     do {                                                                                       \
@@ -23,52 +26,15 @@
 
 namespace {
 
+using namespace moe_ep::kernels;
+
 enum Mode : int { kPushBulk = 0, kPullBulk = 1, kPullLoad = 2, kPushStore = 3, kLocalBulk = 4 };
 const char* kModeNames[] = {"push_bulk", "pull_bulk", "pull_ld", "push_st", "local_bulk"};
 
-__device__ __forceinline__ uint32_t smem_addr(const void* p) {
-    return static_cast<uint32_t>(__cvta_generic_to_shared(p));
-}
-__device__ __forceinline__ void mbar_init(uint64_t* bar) {
-    asm volatile("mbarrier.init.shared::cta.b64 [%0], 1;" ::"r"(smem_addr(bar)) : "memory");
-}
-__device__ __forceinline__ void mbar_expect(uint64_t* bar, uint32_t bytes) {
-    asm volatile("{\n .reg .b64 st;\n mbarrier.arrive.expect_tx.shared::cta.b64 st, [%0], %1;\n}" ::"r"(smem_addr(bar)),
-                 "r"(bytes)
-                 : "memory");
-}
-__device__ __forceinline__ void mbar_wait(uint64_t* bar, uint32_t parity) {
-    uint32_t done = 0;
-    while (!done) {
-        asm volatile(
-            "{\n .reg .pred p;\n mbarrier.try_wait.parity.shared::cta.b64 p, [%1], %2;\n selp.u32 %0, 1, 0, p;\n}"
-            : "=r"(done)
-            : "r"(smem_addr(bar)), "r"(parity)
-            : "memory");
+// Spins on a stage barrier (common.cuh's mbar_wait adds the kernels' timeout and abort machinery).
+__device__ __forceinline__ void wait_stage(uint64_t* bar, uint32_t parity) {
+    while (!mbar_test(bar, parity)) {
     }
-}
-__device__ __forceinline__ void bulk_load(void* dst, const void* src, uint32_t bytes, uint64_t* bar) {
-    asm volatile("cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1], %2, [%3];" ::"r"(
-                     smem_addr(dst)),
-                 "l"(src), "r"(bytes), "r"(smem_addr(bar))
-                 : "memory");
-}
-__device__ __forceinline__ void bulk_store(void* dst, const void* src, uint32_t bytes) {
-    asm volatile("cp.async.bulk.global.shared::cta.bulk_group [%0], [%1], %2;" ::"l"(dst), "r"(smem_addr(src)), "r"(bytes)
-                 : "memory");
-}
-__device__ __forceinline__ void bulk_commit() { asm volatile("cp.async.bulk.commit_group;" ::: "memory"); }
-template <int N>
-__device__ __forceinline__ void bulk_wait_read() {
-    asm volatile("cp.async.bulk.wait_group.read %0;" ::"n"(N) : "memory");
-}
-__device__ __forceinline__ void bulk_wait_all() { asm volatile("cp.async.bulk.wait_group 0;" ::: "memory"); }
-
-// Rows [begin, end) of pipeline `p` out of `n` pipelines.
-__device__ __forceinline__ void rows_of(int p, int n, int rows, int& begin, int& end) {
-    const int per = (rows + n - 1) / n;
-    begin = min(p * per, rows);
-    end = min(begin + per, rows);
 }
 
 constexpr int kLag = 3;  // stores left in flight before a stage is reused
@@ -82,28 +48,28 @@ __global__ void __launch_bounds__(128, 1) bulk_kernel(const uint8_t* src, uint8_
     uint64_t* bars = reinterpret_cast<uint64_t*>(smem) + warp * 32;
     uint8_t* buf = smem + 4096 + static_cast<size_t>(warp) * stages * row_bytes;
     if ((threadIdx.x & 31) != 0) return;
-    for (int s = 0; s < stages; ++s) mbar_init(bars + s);
+    for (int s = 0; s < stages; ++s) mbar_init(bars + s, 1);
     asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
     int begin, end;
-    rows_of(blockIdx.x * warps + warp, gridDim.x * warps, rows, begin, end);
+    channel_range(rows, gridDim.x * warps, blockIdx.x * warps + warp, begin, end);  // this warp's rows
     const int n = end - begin;
     auto load = [&](int i) {
         if (i >= n) return;
         const int s = i % stages;
-        mbar_expect(bars + s, row_bytes);
+        mbar_arrive_expect_tx(bars + s, row_bytes);
         bulk_load(buf + static_cast<size_t>(s) * row_bytes, src + static_cast<size_t>(begin + i) * row_bytes, row_bytes,
                   bars + s);
     };
     for (int i = 0; i < stages - kLag; ++i) load(i);
     for (int i = 0; i < n; ++i) {
         const int s = i % stages;
-        mbar_wait(bars + s, (i / stages) & 1);
+        wait_stage(bars + s, (i / stages) & 1);
         bulk_store(dst + static_cast<size_t>(begin + i) * row_bytes, buf + static_cast<size_t>(s) * row_bytes, row_bytes);
         bulk_commit();
         bulk_wait_read<kLag>();
         load(i + stages - kLag);
     }
-    bulk_wait_all();
+    bulk_wait<0>();
 }
 
 // Load/store modes: a warp moves a row with 16-byte accesses, the whole row's loads in flight at once.
@@ -111,7 +77,7 @@ constexpr int kUnitsPerLane = 28;  // 14,336-byte rows: 28 x 16 B per lane
 __global__ void __launch_bounds__(256, 1) ldst_kernel(const int4* src, int4* dst, int rows, int row_units) {
     const int warp = threadIdx.x / 32, lane = threadIdx.x & 31, warps = blockDim.x / 32;
     int begin, end;
-    rows_of(blockIdx.x * warps + warp, gridDim.x * warps, rows, begin, end);
+    channel_range(rows, gridDim.x * warps, blockIdx.x * warps + warp, begin, end);  // this warp's rows
     for (int r = begin; r < end; ++r) {
         int4 v[kUnitsPerLane];
 #pragma unroll

@@ -51,10 +51,6 @@ MOE_EP_DEVICE void st_relaxed_sys(int* ptr, int v) {
     asm volatile("st.relaxed.sys.global.s32 [%0], %1;" ::"l"(ptr), "r"(v) : "memory");
 }
 
-MOE_EP_DEVICE void st_volatile(int* ptr, int v) {
-    asm volatile("st.volatile.global.s32 [%0], %1;" ::"l"(ptr), "r"(v) : "memory");
-}
-
 MOE_EP_DEVICE void red_add_release_sys(int* ptr, int v) {
     asm volatile("red.release.sys.global.add.s32 [%0], %1;" ::"l"(ptr), "r"(v) : "memory");
 }
