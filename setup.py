@@ -1,11 +1,13 @@
 """Build script: pure Python on CPU machines, plus the CUDA extensions where they can be built:
-`moe_ep._C` (the communication kernels and runtime) and `moe_ep._fp8` (the FP8 expert kernels).
+`moe_ep._C` (normal-mode kernels and runtime), `moe_ep._low_latency` (low-latency kernels and NVSHMEM
+runtime) and `moe_ep._fp8` (the FP8 expert kernels).
 
-`MOE_EP_BUILD_CUDA=1` forces the extension (failing loudly if it cannot be built), `=0` skips it;
-unset, it is built when the installed torch has CUDA and `nvcc` is found. Low-latency-mode sources
-(names containing `low_latency` or `nvshmem`) are built as one part, with `MOE_EP_WITH_LOW_LATENCY`
-defined, unless `MOE_EP_BUILD_LOW_LATENCY=0`; NVSHMEM is used when `NVSHMEM_DIR` or an
-`nvidia-nvshmem-cu12/cu13` wheel is found.
+`MOE_EP_BUILD_CUDA=1` forces the extensions (failing loudly if they cannot be built), `=0` skips them;
+unset, they are built when the installed torch has CUDA and `nvcc` is found. The low-latency module
+(sources named `low_latency*` or `nvshmem*`) needs NVSHMEM (`NVSHMEM_DIR` or an
+`nvidia-nvshmem-cu12/cu13` wheel) and is skipped without it or with `MOE_EP_BUILD_LOW_LATENCY=0`.
+NVSHMEM's device library needs relocatable device code (`-rdc=true`); that is why it is a module of its
+own: the other modules stay whole-program code (under `-rdc` the FP8 GEMM spills and runs 2.4x slower).
 CUDA builds need the installed torch: `pip install --no-build-isolation -e .`.
 """
 
@@ -58,7 +60,7 @@ def _sources() -> list[str]:
 
 
 def _low_latency_sources() -> list[str]:
-    """Empty when there are none or `MOE_EP_BUILD_LOW_LATENCY=0` leaves them out."""
+    """Empty when `MOE_EP_BUILD_LOW_LATENCY=0` leaves them out."""
     if os.environ.get("MOE_EP_BUILD_LOW_LATENCY", "1") == "0":
         return []
     return [f for f in _all_sources() if _is_low_latency(f)]
@@ -75,7 +77,7 @@ def _nvshmem_dir() -> str | None:
 
 
 def _common_flags() -> tuple[list[str], list[str], list[str]]:
-    """(include dirs, nvcc flags, cxx flags) shared by both extensions."""
+    """(include dirs, nvcc flags, cxx flags) shared by all extensions."""
     from torch.utils.cpp_extension import CUDA_HOME
 
     os.environ.setdefault("TORCH_CUDA_ARCH_LIST", "9.0a")  # sm_90a: the FP8 GEMM uses wgmma
@@ -93,37 +95,39 @@ def _cuda_extension():
     from torch.utils.cpp_extension import CUDAExtension
 
     include_dirs, nvcc_flags, cxx_flags = _common_flags()
-    sources = _sources()
-    library_dirs: list[str] = []
-    extra_link: list[str] = []
     if os.environ.get("MOE_EP_PROFILE") == "1":
         # Per-phase timing inside the dispatch/combine kernels (moe_ep._C.last_profile); off by default.
         nvcc_flags.append("-DMOE_EP_PROFILE")
         cxx_flags.append("-DMOE_EP_PROFILE")
-    low_latency = _low_latency_sources()
-    if low_latency:
-        sources += low_latency
-        nvcc_flags.append("-DMOE_EP_WITH_LOW_LATENCY")
-        cxx_flags.append("-DMOE_EP_WITH_LOW_LATENCY")
-    nvshmem = _nvshmem_dir()
-    compile_args: dict[str, list[str]] = {"cxx": cxx_flags, "nvcc": nvcc_flags}
-    if nvshmem and low_latency:
-        lib = os.path.join(nvshmem, "lib")
-        include_dirs.append(os.path.join(nvshmem, "include"))
-        library_dirs.append(lib)
-        nvcc_flags += ["-rdc=true", "-DMOE_EP_WITH_NVSHMEM"]
-        cxx_flags += ["-DMOE_EP_WITH_NVSHMEM"]
-        # Relocatable device code needs a device-link step against NVSHMEM's device library; the wheel
-        # ships only the versioned host library, hence the explicit file names.
-        compile_args["nvcc_dlink"] = ["-dlink", f"-L{lib}", "-lnvshmem_device"]
-        extra_link += [f"-L{lib}", "-l:libnvshmem_device.a", "-l:libnvshmem_host.so.3", f"-Wl,-rpath,{lib}"]
     return CUDAExtension(
         name="moe_ep._C",
+        sources=_sources(),
+        include_dirs=include_dirs,
+        extra_compile_args={"cxx": cxx_flags, "nvcc": nvcc_flags},
+    )
+
+
+def _low_latency_extension():
+    """The low-latency module, or None without its sources or without NVSHMEM."""
+    from torch.utils.cpp_extension import CUDAExtension
+
+    sources, nvshmem = _low_latency_sources(), _nvshmem_dir()
+    if not sources or not nvshmem:
+        return None
+    include_dirs, nvcc_flags, cxx_flags = _common_flags()
+    lib = os.path.join(nvshmem, "lib")
+    include_dirs.append(os.path.join(nvshmem, "include"))
+    nvcc_flags += ["-rdc=true", "-DMOE_EP_WITH_NVSHMEM"]
+    return CUDAExtension(
+        name="moe_ep._low_latency",
         sources=sources,
         include_dirs=include_dirs,
-        library_dirs=library_dirs,
-        extra_compile_args=compile_args,
-        extra_link_args=extra_link,
+        library_dirs=[lib],
+        # Relocatable device code needs a device-link step against NVSHMEM's device library; the wheel
+        # ships only the versioned host library, hence the explicit file names.
+        extra_compile_args={"cxx": cxx_flags, "nvcc": nvcc_flags,
+                            "nvcc_dlink": ["-dlink", f"-L{lib}", "-lnvshmem_device"]},
+        extra_link_args=[f"-L{lib}", "-l:libnvshmem_device.a", "-l:libnvshmem_host.so.3", f"-Wl,-rpath,{lib}"],
     )
 
 
@@ -144,7 +148,7 @@ cmdclass = {}
 if _want_cuda():
     from torch.utils.cpp_extension import BuildExtension
 
-    ext_modules = [_cuda_extension(), _fp8_extension()]
+    ext_modules = [ext for ext in (_cuda_extension(), _low_latency_extension(), _fp8_extension()) if ext is not None]
     cmdclass = {"build_ext": BuildExtension.with_options(use_ninja=True)}
 
 setup(ext_modules=ext_modules, cmdclass=cmdclass)

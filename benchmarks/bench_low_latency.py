@@ -4,7 +4,10 @@ Spawns one process per GPU (NCCL group) and runs DeepEP's low-latency workload: 
 (a sweep, 128 by default first), hidden 7168, top-8 of 256 experts (uniform random routing, no masked
 slots), FP8 dispatch and BF16 combine, with `num_max_dispatch_tokens_per_rank = T`. Reported per T:
   * kernel times (torch profiler, median over iterations, slowest rank): dispatch and combine with
-    both phases, and in hook mode the send and receive kernels of each;
+    both phases, and in hook mode the send and receive kernels of each, all with the iterations queued
+    behind a long matmul and started in step on all ranks, as DeepEP's benchmarks time them;
+    `host_paced_*`: dispatch and combine launched as the host gets to them (how sessions 1-7 timed
+    them), where a kernel also holds the wait for the slowest rank's launch;
   * dispatch + combine: one captured (dispatch, combine) pair replayed, timed with CUDA events after a
     barrier (median, slowest rank), so no host launch overhead is included;
   * bytes: one message per (token, expert) pair, `msg_bytes` each (FP8 dispatch: H + 4 H / 128;
@@ -42,15 +45,27 @@ from moe_ep.ops.config import low_latency_buffer_bytes
 from timing import median_time_us, slowest_rank
 
 
-def _kernel_times_us(fn: Callable[[], object], warmup: int, iters: int, names: list[str]) -> list[float]:
+def _kernel_times_us(fn: Callable[[], object], warmup: int, iters: int, names: list[str],
+                     queued: bool = True) -> list[float]:
     """Median durations of the low-latency kernels `fn` launches, one entry per launch of an iteration
-    (in launch order; `names` says what each is)."""
+    (in launch order; `names` says what each is).
+
+    `queued` (as DeepEP's benchmarks time these kernels): a long matmul holds the GPU while the host
+    queues every iteration, then an all-reduce starts all ranks together, so the kernels run back to back
+    in step. Without it, each iteration starts when the host launches it, and a kernel also holds the
+    wait for the slowest rank's launch."""
     from torch.profiler import ProfilerActivity, profile
 
     for _ in range(warmup):
         fn()
     torch.cuda.synchronize()
+    dist.barrier()
     with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        if queued:
+            hold = torch.randn(8192, 8192, device="cuda")
+            for _ in range(2):
+                hold @ hold
+            dist.all_reduce(torch.ones(1, device="cuda"))
         for _ in range(iters):
             fn()
         torch.cuda.synchronize()
@@ -131,6 +146,8 @@ def _measure(runtime: LowLatencyRuntime, tokens: int, args: argparse.Namespace) 
         combine_recv()
 
     dispatch_us, combine_us = _kernel_times_us(pair, args.warmup, args.iters, ["dispatch", "combine"])
+    paced_dispatch_us, paced_combine_us = _kernel_times_us(pair, args.warmup, args.iters, ["dispatch", "combine"],
+                                                           queued=False)
     send_us, recv_us, combine_send_us, combine_recv_us = _kernel_times_us(
         hooked_pair, args.warmup, args.iters, ["dispatch send", "dispatch recv", "combine send", "combine recv"])
 
@@ -157,6 +174,7 @@ def _measure(runtime: LowLatencyRuntime, tokens: int, args: argparse.Namespace) 
         "combine_meta_bytes": int(meta_bytes),
         "dispatch_us": dispatch_us, "combine_us": combine_us, "dispatch_plus_combine_kernels_us": dispatch_us + combine_us,
         "dispatch_combine_pair_us": pair_us,
+        "host_paced_dispatch_us": paced_dispatch_us, "host_paced_combine_us": paced_combine_us,
         "hook_dispatch_send_us": send_us, "hook_dispatch_recv_us": recv_us,
         "hook_combine_send_us": combine_send_us, "hook_combine_recv_us": combine_recv_us,
         "dispatch_remote_gbps": remote * dispatch_msg / dispatch_us / 1e3,

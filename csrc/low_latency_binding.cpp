@@ -1,21 +1,19 @@
-// Torch binding of the low-latency mode: argument checks and kernel launches on the current stream.
-// moe_ep/ops/backends/cuda_low_latency.py allocates the outputs and drives the protocol. Without
-// NVSHMEM only the buffer-size formula is registered and `low_latency_available` is False.
+// The `moe_ep._low_latency` extension module: torch binding of the low-latency mode (argument checks and
+// kernel launches on the current stream). moe_ep/ops/backends/cuda_low_latency.py allocates the outputs
+// and drives the protocol. Built only with NVSHMEM, as relocatable device code (NVSHMEM's device library
+// needs it); `moe_ep._C` stays whole-program code, which the normal-mode kernels need to run at full speed.
 #include <c10/cuda/CUDAStream.h>
 #include <torch/extension.h>
 
 #include <optional>
 
 #include "kernels/low_latency.cuh"
-#ifdef MOE_EP_WITH_NVSHMEM
 #include "nvshmem_runtime.hpp"
-#endif
 
 namespace moe_ep {
 
 namespace ll = kernels::ll;
 
-#ifdef MOE_EP_WITH_NVSHMEM
 namespace {
 
 using at::Tensor;
@@ -165,14 +163,16 @@ Tensor send_buffer(const NvshmemRuntime& rt, int64_t max_tokens, int64_t hidden,
 }
 
 }  // namespace
-#endif
 
-void register_low_latency(py::module_& m) {
+}  // namespace moe_ep
+
+PYBIND11_MODULE(_low_latency, m) {
+    namespace ll = moe_ep::kernels::ll;
+    using moe_ep::NvshmemRuntime;
+    m.doc() = "moe_ep low-latency kernels and NVSHMEM runtime";
     m.def("ll_buffer_bytes", [](int64_t max_tokens, int64_t hidden, int64_t num_ranks, int64_t num_experts) {
         return ll::make_layout(max_tokens, hidden, num_ranks, num_experts).total;
     });
-#ifdef MOE_EP_WITH_NVSHMEM
-    m.attr("low_latency_available") = true;
     py::class_<NvshmemRuntime>(m, "NvshmemRuntime")
         .def(py::init<int, int, int64_t, double>(), py::arg("rank"), py::arg("num_ranks"), py::arg("num_bytes"),
              py::arg("timeout_s"), py::call_guard<py::gil_scoped_release>())
@@ -188,15 +188,10 @@ void register_low_latency(py::module_& m) {
             py::arg("unique_id"), py::arg("rank"), py::arg("num_ranks"))
         .def("destroy", &NvshmemRuntime::destroy, py::call_guard<py::gil_scoped_release>())
         .def("check_usable", &NvshmemRuntime::check_usable)
-        .def("clean", [](NvshmemRuntime& rt) { rt.clean(current_stream(rt)); })
+        .def("clean", [](NvshmemRuntime& rt) { rt.clean(moe_ep::current_stream(rt)); })
         .def_property_readonly("all_peers_mapped", &NvshmemRuntime::all_peers_mapped)
         .def_property_readonly("num_bytes", &NvshmemRuntime::num_bytes);
-    m.def("ll_dispatch", &dispatch);
-    m.def("ll_combine", &combine);
-    m.def("ll_send_buffer", &send_buffer);
-#else
-    m.attr("low_latency_available") = false;
-#endif
+    m.def("ll_dispatch", &moe_ep::dispatch);
+    m.def("ll_combine", &moe_ep::combine);
+    m.def("ll_send_buffer", &moe_ep::send_buffer);
 }
-
-}  // namespace moe_ep

@@ -1,5 +1,3 @@
-// Compiled with the low-latency part; without NVSHMEM it is empty (the binding then registers no runtime).
-#ifdef MOE_EP_WITH_NVSHMEM
 #include "nvshmem_runtime.hpp"
 
 #include <nvshmem_host.h>
@@ -179,4 +177,3 @@ void NvshmemRuntime::barrier(cudaStream_t stream) {
 }
 
 }  // namespace moe_ep
-#endif  // MOE_EP_WITH_NVSHMEM

@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# One device call: build moe_ep._C, run tests/gpu, run the benchmarks; logs and JSON under $OUT, a
+# One device call: build the extensions, run tests/gpu, run the benchmarks; logs and JSON under $OUT, a
 # short table printed last.
 #   bash scripts/gpu_check.sh [parts] [extra intranode-benchmark args...]
 #   parts: comma list of build,test,bench,ll,layer,fp8gemm,probe,examples,decodediag (default: the first six);
@@ -50,7 +50,7 @@ if has build; then
         tail -40 "$OUT/build.log"
         exit 1
     fi
-    $PY -c "import moe_ep._C as c, moe_ep._fp8 as g; print('extensions loaded, sm90:', c.is_sm90_compiled(), 'FP8 kernels run:', g.fp8_grouped_mm_supported())" || exit 1
+    $PY -c "import moe_ep._C as c, moe_ep._fp8 as g; from moe_ep.ops.backends.cuda_low_latency import low_latency_available as ll; print('extensions loaded, sm90:', c.is_sm90_compiled(), 'FP8 kernels run:', g.fp8_grouped_mm_supported(), 'low latency:', ll())" || exit 1
 fi
 
 if has test; then

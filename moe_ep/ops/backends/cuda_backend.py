@@ -25,7 +25,7 @@ from ..handles import DispatchHandle, LowLatencyHandle
 from ..routing import NUM_MAX_NVL_PEERS, DispatchLayout
 from .base import CommBackend, DispatchResult, LowLatencyDispatchResult, RecvHook
 from .collectives import all_gather_bytes
-from .cuda_low_latency import LowLatencyRuntime, low_latency_available
+from .cuda_low_latency import LowLatencyRuntime
 
 _DEFAULT_TIMEOUT_S = 10.0
 
@@ -70,9 +70,6 @@ class CudaBackend(CommBackend):
         self._runtime.open_peers(handles)
         self._low_latency: Optional[LowLatencyRuntime] = None
         if low_latency_mode and num_rdma_bytes > 0:
-            if not low_latency_available():
-                raise RuntimeError("low_latency_mode: moe_ep._C was built without NVSHMEM (install the "
-                                   "nvidia-nvshmem-cu12/cu13 wheel or set NVSHMEM_DIR, then rebuild)")
             self._low_latency = LowLatencyRuntime(group, rank, num_ranks, num_rdma_bytes)
 
     @staticmethod

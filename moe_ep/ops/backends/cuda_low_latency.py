@@ -1,4 +1,4 @@
-"""Low-latency mode of the CUDA backend: the `moe_ep._C` kernels over an NVSHMEM symmetric buffer.
+"""Low-latency mode of the CUDA backend: the `moe_ep._low_latency` kernels over an NVSHMEM symmetric buffer.
 
 `LowLatencyRuntime` implements the four low-latency methods of `CommBackend` with the signatures and
 results of the torch backend (docs/semantics.md); `CudaBackend` delegates to it. NVSHMEM joins the
@@ -52,15 +52,16 @@ _nvshmem_members: Optional[tuple[int, ...]] = None
 
 @functools.cache
 def _ext():
-    return importlib.import_module("moe_ep._C")
+    return importlib.import_module("moe_ep._low_latency")
 
 
 def low_latency_available() -> bool:
-    """Whether `moe_ep._C` was built with NVSHMEM (low-latency kernels and runtime)."""
+    """Whether the extension `moe_ep._low_latency` (low-latency kernels and NVSHMEM runtime) was built."""
     try:
-        return bool(getattr(_ext(), "low_latency_available", False))
+        _ext()
     except ImportError:
         return False
+    return True
 
 
 def _single_host(group: dist.ProcessGroup, num_ranks: int, device: torch.device) -> bool:
@@ -107,8 +108,8 @@ class LowLatencyRuntime:
     def __init__(self, group: dist.ProcessGroup, rank: int, num_ranks: int, num_rdma_bytes: int,
                  timeout_s: Optional[float] = None) -> None:
         if not low_latency_available():
-            raise RuntimeError("low-latency mode: moe_ep._C was built without NVSHMEM (install nvidia-nvshmem-cu12/cu13 "
-                               "or set NVSHMEM_DIR, then rebuild); use backend='torch'")
+            raise RuntimeError("low-latency mode: moe_ep._low_latency was not built (it needs NVSHMEM: install "
+                               "nvidia-nvshmem-cu12/cu13 or set NVSHMEM_DIR, then rebuild); use backend='torch'")
         if num_rdma_bytes <= 0:
             raise ValueError("num_rdma_bytes: low-latency mode needs a symmetric buffer; size it with "
                              "Buffer.get_low_latency_rdma_size_hint")
