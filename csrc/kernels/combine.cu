@@ -47,18 +47,23 @@ MOE_EP_DEVICE void send_rows(const CombineArgs& a, const StageRing& ring, int fi
     auto weight_of = [&](int i) {
         return has_weights && i < count ? a.topk_weights[static_cast<size_t>(start + i) * a.num_topk + lane] : 0.0f;
     };
-    auto load = [&](int i) {  // bulk-load row i into its stage
+    auto row = [&](int i) { return static_cast<const uint8_t*>(a.x) + static_cast<size_t>(start + i) * a.row_bytes; };
+    // Bulk-loads row i into its stage. Rows are loaded only one ahead of their store, so the row
+    // `num_stages` further on is pulled into L2 now, to be there when its turn comes.
+    auto load = [&](int i) {
         if (lane == 0 && i < count) {
             const int st = first_stage + i % num_stages;
             mbar_arrive_expect_tx(ring.full + st, a.row_bytes);
-            bulk_load(ring.stage(st), static_cast<const uint8_t*>(a.x) + static_cast<size_t>(start + i) * a.row_bytes,
-                      a.row_bytes, ring.full + st);
+            bulk_load(ring.stage(st), row(i), a.row_bytes, ring.full + st);
+            if (i + num_stages < count) bulk_prefetch_l2(row(i + num_stages), a.row_bytes);
         }
     };
     int head = 0, published = 0;
     bool ok = true;
     MOE_EP_PROF(ProfRole timing; timing.begin(); uint64_t t_prof = timing.start;)
     float weight = weight_of(0);
+    if (lane == 0 && count > 1)  // the rows before the first that `load` pulls ahead (they are contiguous)
+        bulk_prefetch_l2(row(1), static_cast<uint32_t>(min(count - 1, num_stages - 1)) * a.row_bytes);
     load(0);
     MOE_EP_PROF(t_prof = timing.add(prof::kCopy, t_prof);)
     for (int i = 0; i < count && ok; ++i) {
@@ -169,6 +174,16 @@ MOE_EP_DEVICE void reduce_channel(const CombineArgs& a, int channel, int first_w
             }
             __syncwarp();  // lane r's acquire of tail r covers every lane's reads of that ring
             if (!__all_sync(kFullMask, ok)) break;
+            // The reduction keeps only a few 16-byte units per contribution in flight, so each of its
+            // rounds costs a memory latency: pull the whole rows into L2 first (one instruction, no
+            // registers), and this rank's own row of the warp's next token, which is already there.
+            if (row != nullptr) bulk_prefetch_l2(row, a.row_bytes);
+            if (const int next = t + num_warps; lane == me && next < end &&
+                reinterpret_cast<const uint8_t*>(a.is_token_in_rank)[static_cast<size_t>(next) * R + me] != 0)
+                bulk_prefetch_l2(static_cast<const uint8_t*>(a.x) +
+                                     static_cast<size_t>(self_base + a.send_head[static_cast<size_t>(next) * R + me]) *
+                                         a.row_bytes,
+                                 a.row_bytes);
             MOE_EP_PROF({
                 // The warp waited as long as its slowest lane; the rest of the time went to metadata loads.
                 const uint64_t now = global_timer_ns();
