@@ -47,23 +47,18 @@ MOE_EP_DEVICE void send_rows(const CombineArgs& a, const StageRing& ring, int fi
     auto weight_of = [&](int i) {
         return has_weights && i < count ? a.topk_weights[static_cast<size_t>(start + i) * a.num_topk + lane] : 0.0f;
     };
-    auto row = [&](int i) { return static_cast<const uint8_t*>(a.x) + static_cast<size_t>(start + i) * a.row_bytes; };
-    // Bulk-loads row i into its stage. Rows are loaded only one ahead of their store, so the row
-    // `num_stages` further on is pulled into L2 now, to be there when its turn comes.
-    auto load = [&](int i) {
+    auto load = [&](int i) {  // bulk-load row i into its stage
         if (lane == 0 && i < count) {
             const int st = first_stage + i % num_stages;
             mbar_arrive_expect_tx(ring.full + st, a.row_bytes);
-            bulk_load(ring.stage(st), row(i), a.row_bytes, ring.full + st);
-            if (i + num_stages < count) bulk_prefetch_l2(row(i + num_stages), a.row_bytes);
+            bulk_load(ring.stage(st), static_cast<const uint8_t*>(a.x) + static_cast<size_t>(start + i) * a.row_bytes,
+                      a.row_bytes, ring.full + st);
         }
     };
     int head = 0, published = 0;
     bool ok = true;
     MOE_EP_PROF(ProfRole timing; timing.begin(); uint64_t t_prof = timing.start;)
     float weight = weight_of(0);
-    if (lane == 0 && count > 1)  // the rows before the first that `load` pulls ahead (they are contiguous)
-        bulk_prefetch_l2(row(1), static_cast<uint32_t>(min(count - 1, num_stages - 1)) * a.row_bytes);
     load(0);
     MOE_EP_PROF(t_prof = timing.add(prof::kCopy, t_prof);)
     for (int i = 0; i < count && ok; ++i) {
