@@ -169,16 +169,6 @@ MOE_EP_DEVICE void reduce_channel(const CombineArgs& a, int channel, int first_w
             }
             __syncwarp();  // lane r's acquire of tail r covers every lane's reads of that ring
             if (!__all_sync(kFullMask, ok)) break;
-            // The reduction keeps only a few 16-byte units per contribution in flight, so each of its
-            // rounds costs a memory latency: pull the whole rows into L2 first (one instruction, no
-            // registers), and this rank's own row of the warp's next token, which is already there.
-            if (row != nullptr) bulk_prefetch_l2(row, a.row_bytes);
-            if (const int next = t + num_warps; lane == me && next < end &&
-                reinterpret_cast<const uint8_t*>(a.is_token_in_rank)[static_cast<size_t>(next) * R + me] != 0)
-                bulk_prefetch_l2(static_cast<const uint8_t*>(a.x) +
-                                     static_cast<size_t>(self_base + a.send_head[static_cast<size_t>(next) * R + me]) *
-                                         a.row_bytes,
-                                 a.row_bytes);
             MOE_EP_PROF({
                 // The warp waited as long as its slowest lane; the rest of the time went to metadata loads.
                 const uint64_t now = global_timer_ns();
