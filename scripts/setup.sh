@@ -2,7 +2,8 @@
 # Installs moe_ep and what it needs into the current Python environment.
 # A machine without torch gets the CPU build of torch 2.13.0 unless it has a GPU (set TORCH_INDEX_URL
 # to pick another wheel index); a CUDA build of torch is never pulled onto a CPU-only machine.
-# With a CUDA torch and nvcc present, the moe_ep._C extension is built (MAX_JOBS parallel jobs).
+# With a CUDA torch and nvcc present, the CUDA extensions (moe_ep._C, moe_ep._low_latency with NVSHMEM,
+# moe_ep._fp8) are built (MAX_JOBS parallel jobs).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 PY=${PYTHON:-python3}
