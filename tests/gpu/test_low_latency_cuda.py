@@ -25,7 +25,7 @@ from reference import make_inputs, tokens_for
 from test_buffer_low_latency import Case
 
 needs_gpu = pytest.mark.skipif(not torch.cuda.is_available() or not low_latency_available(),
-                               reason="needs CUDA GPUs and moe_ep._C built with NVSHMEM")
+                               reason="needs CUDA GPUs and the moe_ep._low_latency extension (built with NVSHMEM)")
 
 
 def gpu_case(name: str, **fields: object) -> Case:
