@@ -1,13 +1,15 @@
 """Build script: pure Python on CPU machines, plus the CUDA extensions where they can be built:
-`moe_ep._C` (normal-mode kernels and runtime), `moe_ep._low_latency` (low-latency kernels and NVSHMEM
-runtime) and `moe_ep._fp8` (the FP8 expert kernels).
+`moe_ep._C` (normal-mode kernels and runtime), `moe_ep._low_latency` and `moe_ep._low_latency_p2p`
+(low-latency kernels and NVSHMEM runtime) and `moe_ep._fp8` (the FP8 expert kernels).
 
 `MOE_EP_BUILD_CUDA=1` forces the extensions (failing loudly if they cannot be built), `=0` skips them;
-unset, they are built when the installed torch has CUDA and `nvcc` is found. The low-latency module
-(sources named `low_latency*` or `nvshmem*`) needs NVSHMEM (`NVSHMEM_DIR` or an
-`nvidia-nvshmem-cu12/cu13` wheel) and is skipped without it or with `MOE_EP_BUILD_LOW_LATENCY=0`.
-NVSHMEM's device library needs relocatable device code (`-rdc=true`); that is why it is a module of its
-own: the other modules stay whole-program code (under `-rdc` the FP8 GEMM spills and runs 2.4x slower).
+unset, they are built when the installed torch has CUDA and `nvcc` is found. The low-latency modules
+(sources named `low_latency*` or `nvshmem*`) need NVSHMEM (`NVSHMEM_DIR` or an
+`nvidia-nvshmem-cu12/cu13` wheel) and are skipped without it or with `MOE_EP_BUILD_LOW_LATENCY=0`.
+NVSHMEM's device library needs relocatable device code (`-rdc=true`); that is why `moe_ep._low_latency`
+is a module of its own, and why `moe_ep._low_latency_p2p` (the same kernels without NVSHMEM device calls,
+for groups whose peers are all mapped) exists: every other module stays whole-program code (under `-rdc`
+the FP8 GEMM spills and runs 2.4x slower, the normal-mode combine ran 24 % slower).
 CUDA builds need the installed torch: `pip install --no-build-isolation -e .`.
 """
 
@@ -107,28 +109,40 @@ def _cuda_extension():
     )
 
 
-def _low_latency_extension():
-    """The low-latency module, or None without its sources or without NVSHMEM."""
+def _low_latency_extensions():
+    """The two low-latency modules, or none without their sources or without NVSHMEM.
+
+    `moe_ep._low_latency`: relocatable device code linked against NVSHMEM's device library; peers without
+    P2P are reached through NVSHMEM puts. `moe_ep._low_latency_p2p`: the same sources (`csrc/p2p/`
+    includes them) as whole-program code over NVSHMEM's host library only, for groups whose peers are all
+    mapped; relocatable code runs these kernels slower, as it did the normal-mode combine.
+    """
     from torch.utils.cpp_extension import CUDAExtension
 
     sources, nvshmem = _low_latency_sources(), _nvshmem_dir()
     if not sources or not nvshmem:
-        return None
-    include_dirs, nvcc_flags, cxx_flags = _common_flags()
+        return []
     lib = os.path.join(nvshmem, "lib")
-    include_dirs.append(os.path.join(nvshmem, "include"))
-    nvcc_flags += ["-rdc=true", "-DMOE_EP_WITH_NVSHMEM"]
-    return CUDAExtension(
-        name="moe_ep._low_latency",
-        sources=sources,
-        include_dirs=include_dirs,
-        library_dirs=[lib],
-        # Relocatable device code needs a device-link step against NVSHMEM's device library; the wheel
-        # ships only the versioned host library, hence the explicit file names.
-        extra_compile_args={"cxx": cxx_flags, "nvcc": nvcc_flags,
-                            "nvcc_dlink": ["-dlink", f"-L{lib}", "-lnvshmem_device"]},
-        extra_link_args=[f"-L{lib}", "-l:libnvshmem_device.a", "-l:libnvshmem_host.so.3", f"-Wl,-rpath,{lib}"],
-    )
+    # The wheel ships only the versioned host library, hence the explicit file names.
+    host_link = [f"-L{lib}", "-l:libnvshmem_host.so.3", f"-Wl,-rpath,{lib}"]
+
+    def extension(name: str, ext_sources: list[str], defines: list[str], link_args: list[str],
+                  nvcc_extra: tuple[str, ...] = (), dlink: tuple[str, ...] = ()) -> CUDAExtension:
+        include_dirs, nvcc_flags, cxx_flags = _common_flags()
+        compile_args = {"cxx": cxx_flags + defines, "nvcc": nvcc_flags + list(nvcc_extra) + defines}
+        if dlink:
+            compile_args["nvcc_dlink"] = list(dlink)
+        return CUDAExtension(name=name, sources=ext_sources, library_dirs=[lib], extra_link_args=link_args,
+                             include_dirs=include_dirs + [os.path.join(nvshmem, "include")],
+                             extra_compile_args=compile_args)
+
+    return [
+        # Relocatable device code needs a device-link step against NVSHMEM's device library.
+        extension("moe_ep._low_latency", sources, ["-DMOE_EP_WITH_NVSHMEM"],
+                  [f"-L{lib}", "-l:libnvshmem_device.a"] + host_link, nvcc_extra=("-rdc=true",),
+                  dlink=("-dlink", f"-L{lib}", "-lnvshmem_device")),
+        extension("moe_ep._low_latency_p2p", sorted(glob.glob("csrc/p2p/*")), ["-DMOE_EP_LL_P2P_ONLY"], host_link),
+    ]
 
 
 def _fp8_extension():
@@ -148,7 +162,7 @@ cmdclass = {}
 if _want_cuda():
     from torch.utils.cpp_extension import BuildExtension
 
-    ext_modules = [ext for ext in (_cuda_extension(), _low_latency_extension(), _fp8_extension()) if ext is not None]
+    ext_modules = [_cuda_extension(), *_low_latency_extensions(), _fp8_extension()]
     cmdclass = {"build_ext": BuildExtension.with_options(use_ninja=True)}
 
 setup(ext_modules=ext_modules, cmdclass=cmdclass)

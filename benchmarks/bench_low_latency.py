@@ -9,7 +9,9 @@ slots), FP8 dispatch and BF16 combine, with `num_max_dispatch_tokens_per_rank = 
     `host_paced_*`: dispatch and combine launched as the host gets to them (how sessions 1-7 timed
     them), where a kernel also holds the wait for the slowest rank's launch;
   * dispatch + combine: one captured (dispatch, combine) pair replayed, timed with CUDA events after a
-    barrier (median, slowest rank), so no host launch overhead is included;
+    barrier (`dispatch_combine_pair_us`: median, slowest rank; holds the ranks' host skew) and with the
+    replays queued and started in step like the kernels (`dispatch_combine_pair_queued_us`: mean per
+    replay, slowest rank);
   * bytes: one message per (token, expert) pair, `msg_bytes` each (FP8 dispatch: H + 4 H / 128;
     combine: 2 H); `*_gbps` divide the bytes a rank sends to other ranks by the kernel time. The
     dispatch sends one row per (token, destination rank) (`remote_rows_max`); the combine sends one
@@ -19,8 +21,10 @@ slots), FP8 dispatch and BF16 combine, with `num_max_dispatch_tokens_per_rank = 
     messages (bytes delivered, what DeepEP moves), `combine_remote_rows_gbps` and `hook_*_send_gbps`
     the rows that cross NVLink (`hook_combine_send_messages_gbps`: the combine send counted in messages,
     comparable with results before session 4);
-  * NCCL all_to_all_single moving the same messages between the same ranks (uint8 rows), timed like
-    the pair above, in the same run.
+  * NCCL all_to_all_single moving the same messages between the same ranks (uint8 rows), timed both
+    ways like the pair above (`nccl_*_bytes_us`, `nccl_*_bytes_queued_us`), in the same run;
+  * `module`: the low-latency extension that ran (`moe_ep._low_latency_p2p` on one host with P2P,
+    `moe_ep._low_latency` otherwise or with MOE_EP_LOW_LATENCY_TRANSPORT=nvshmem).
 
     python benchmarks/bench_low_latency.py --out benchmarks/results/low_latency.json [--tokens 128 1 512]
 """
@@ -42,7 +46,8 @@ import torch.multiprocessing as mp
 from moe_ep.launch import free_port
 from moe_ep.ops.backends.cuda_low_latency import LowLatencyRuntime
 from moe_ep.ops.config import low_latency_buffer_bytes
-from timing import median_time_us, slowest_rank
+from moe_ep.ops.backends import cuda_low_latency
+from timing import hold_then_start_in_step, median_time_us, queued_time_us, slowest_rank
 
 
 def _kernel_times_us(fn: Callable[[], object], warmup: int, iters: int, names: list[str],
@@ -62,10 +67,7 @@ def _kernel_times_us(fn: Callable[[], object], warmup: int, iters: int, names: l
     dist.barrier()
     with profile(activities=[ProfilerActivity.CUDA]) as prof:
         if queued:
-            hold = torch.randn(8192, 8192, device="cuda")
-            for _ in range(2):
-                hold @ hold
-            dist.all_reduce(torch.ones(1, device="cuda"))
+            hold_then_start_in_step()
         for _ in range(iters):
             fn()
         torch.cuda.synchronize()
@@ -155,14 +157,18 @@ def _measure(runtime: LowLatencyRuntime, tokens: int, args: argparse.Namespace) 
     with torch.cuda.graph(graph, capture_error_mode="thread_local"):  # the NCCL watchdog thread runs on
         pair()
     pair_us = median_time_us(graph.replay, args.warmup, args.iters)
+    pair_queued_us = queued_time_us(graph.replay, args.warmup, args.iters)
 
     dispatch_msg, combine_msg = hidden + hidden // 128 * 4, 2 * hidden
     remote = slowest_rank(_remote_messages(topk_idx, num_experts))
     remote_rows = slowest_rank(_remote_rows(topk_idx, num_experts))
     combine_rows = slowest_rank(_combine_remote_rows(topk_idx, num_experts))
     meta_bytes = remote_rows * (8 * topk + 8)  # the source's (id, weight) entries and flag per (token, rank)
-    nccl_dispatch_us = median_time_us(_nccl_exchange(topk_idx, num_experts, dispatch_msg), args.warmup, args.iters)
-    nccl_combine_us = median_time_us(_nccl_exchange(topk_idx, num_experts, combine_msg), args.warmup, args.iters)
+    nccl = {}
+    for name, msg_bytes in (("dispatch", dispatch_msg), ("combine", combine_msg)):
+        exchange = _nccl_exchange(topk_idx, num_experts, msg_bytes)
+        nccl[f"nccl_{name}_bytes_us"] = median_time_us(exchange, args.warmup, args.iters)
+        nccl[f"nccl_{name}_bytes_queued_us"] = queued_time_us(exchange, args.warmup, args.iters)
     torch.cuda.synchronize()
     dist.barrier()
     del graph, first
@@ -173,7 +179,7 @@ def _measure(runtime: LowLatencyRuntime, tokens: int, args: argparse.Namespace) 
         "combine_remote_message_bytes": int(remote * combine_msg), "combine_remote_row_bytes": int(combine_rows * combine_msg),
         "combine_meta_bytes": int(meta_bytes),
         "dispatch_us": dispatch_us, "combine_us": combine_us, "dispatch_plus_combine_kernels_us": dispatch_us + combine_us,
-        "dispatch_combine_pair_us": pair_us,
+        "dispatch_combine_pair_us": pair_us, "dispatch_combine_pair_queued_us": pair_queued_us,
         "host_paced_dispatch_us": paced_dispatch_us, "host_paced_combine_us": paced_combine_us,
         "hook_dispatch_send_us": send_us, "hook_dispatch_recv_us": recv_us,
         "hook_combine_send_us": combine_send_us, "hook_combine_recv_us": combine_recv_us,
@@ -183,7 +189,7 @@ def _measure(runtime: LowLatencyRuntime, tokens: int, args: argparse.Namespace) 
         "hook_dispatch_send_gbps": remote_rows * dispatch_msg / send_us / 1e3,
         "hook_combine_send_gbps": (combine_rows * combine_msg + meta_bytes) / combine_send_us / 1e3,
         "hook_combine_send_messages_gbps": remote * combine_msg / combine_send_us / 1e3,
-        "nccl_dispatch_bytes_us": nccl_dispatch_us, "nccl_combine_bytes_us": nccl_combine_us,
+        **nccl,
     }
 
 
@@ -202,7 +208,7 @@ def _worker(rank: int, world: int, port: int, args: argparse.Namespace, results:
         if rank == 0:
             print(json.dumps(row), flush=True)
     if rank == 0:
-        results.put(rows)
+        results.put((cuda_low_latency._ext().__name__, rows))
     runtime.destroy()
     dist.destroy_process_group()
     os._exit(0)  # NVSHMEM is not finalised: skip the interpreter's teardown
@@ -227,12 +233,12 @@ def main() -> None:
     procs = [ctx.Process(target=_worker, args=(r, args.world, port, args, results)) for r in range(args.world)]
     for proc in procs:
         proc.start()
-    rows = results.get()
+    module, rows = results.get()
     for proc in procs:
         proc.join()
     report = {"command": " ".join([os.path.basename(sys.executable)] + sys.argv), "world": args.world,
               "hidden": args.hidden, "experts": args.experts, "topk": args.topk,
-              "device": torch.cuda.get_device_name(0), "torch": torch.__version__, "results": rows}
+              "module": module, "device": torch.cuda.get_device_name(0), "torch": torch.__version__, "results": rows}
     os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
     with open(args.out, "w") as f:
         json.dump(report, f, indent=2)

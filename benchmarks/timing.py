@@ -45,6 +45,31 @@ def _in_step() -> None:
     dist.barrier()
 
 
+def hold_then_start_in_step(matmuls: int = 4) -> None:
+    """Keep the GPU busy with matmuls (about 1.5 ms each on a Hopper GPU) while the host queues the work
+    that follows, then start every rank together (an all-reduce ends the hold on all of them)."""
+    hold = torch.randn(8192, 8192, device="cuda")
+    for _ in range(matmuls):
+        hold @ hold
+    dist.all_reduce(torch.ones(1, device="cuda"))
+
+
+def queued_time_us(fn: Callable[[], object], warmup: int, iters: int) -> float:
+    """Mean GPU time per run of `fn`, the runs queued back to back behind `hold_then_start_in_step`, so
+    neither host launch time nor the ranks' host skew is included; the slowest rank's."""
+    for _ in range(warmup):
+        fn()
+    _in_step()
+    hold_then_start_in_step()
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    for _ in range(iters):
+        fn()
+    end.record()
+    end.synchronize()
+    return slowest_rank(start.elapsed_time(end) * 1e3 / iters)
+
+
 def median_time_us(fn: Callable[[], object], warmup: int, iters: int) -> float:
     """Median GPU time of `fn` with every run started in step on all ranks; the slowest rank's."""
     return slowest_rank(local_median_us(fn, warmup, iters, before_each=_in_step))

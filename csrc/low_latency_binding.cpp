@@ -1,7 +1,9 @@
-// The `moe_ep._low_latency` extension module: torch binding of the low-latency mode (argument checks and
-// kernel launches on the current stream). moe_ep/ops/backends/cuda_low_latency.py allocates the outputs
-// and drives the protocol. Built only with NVSHMEM, as relocatable device code (NVSHMEM's device library
-// needs it); `moe_ep._C` stays whole-program code, which the normal-mode kernels need to run at full speed.
+// The `moe_ep._low_latency` and `moe_ep._low_latency_p2p` extension modules: torch binding of the
+// low-latency mode (argument checks and kernel launches on the current stream).
+// moe_ep/ops/backends/cuda_low_latency.py allocates the outputs and drives the protocol. Built only with
+// NVSHMEM. `_low_latency` is relocatable device code (NVSHMEM's device library needs it) and reaches
+// peers without P2P through NVSHMEM puts; `_low_latency_p2p` is the same source as whole-program code,
+// for groups whose peers are all mapped (one host with P2P): the kernels then use no NVSHMEM device API.
 #include <c10/cuda/CUDAStream.h>
 #include <torch/extension.h>
 
@@ -166,14 +168,16 @@ Tensor send_buffer(const NvshmemRuntime& rt, int64_t max_tokens, int64_t hidden,
 
 }  // namespace moe_ep
 
-PYBIND11_MODULE(_low_latency, m) {
+// TORCH_EXTENSION_NAME: _low_latency, or _low_latency_p2p for the P2P-only build (csrc/p2p/).
+PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
     namespace ll = moe_ep::kernels::ll;
     using moe_ep::NvshmemRuntime;
     m.doc() = "moe_ep low-latency kernels and NVSHMEM runtime";
     m.def("ll_buffer_bytes", [](int64_t max_tokens, int64_t hidden, int64_t num_ranks, int64_t num_experts) {
         return ll::make_layout(max_tokens, hidden, num_ranks, num_experts).total;
     });
-    py::class_<NvshmemRuntime>(m, "NvshmemRuntime")
+    // Module-local: both low-latency modules bind this C++ type, and one process may import both.
+    py::class_<NvshmemRuntime>(m, "NvshmemRuntime", py::module_local())
         .def(py::init<int, int, int64_t, double>(), py::arg("rank"), py::arg("num_ranks"), py::arg("num_bytes"),
              py::arg("timeout_s"), py::call_guard<py::gil_scoped_release>())
         .def_static("unique_id_bytes", &NvshmemRuntime::unique_id_bytes)

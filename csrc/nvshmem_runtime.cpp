@@ -44,7 +44,13 @@ void NvshmemRuntime::init(const std::string& unique_id, int rank, int num_ranks)
     nvshmemx_init_attr_t attr = NVSHMEMX_INIT_ATTR_INITIALIZER;
     if (nvshmemx_set_attr_uniqueid_args(rank, num_ranks, &id, &attr) != 0)
         throw std::runtime_error("nvshmemx_set_attr_uniqueid_args failed");
+#ifdef MOE_EP_LL_P2P_ONLY
+    // The P2P-only module's kernels use no NVSHMEM device API: the host library alone is initialised.
+    if (nvshmemx_hostlib_init_attr(NVSHMEMX_INIT_WITH_UNIQUEID, &attr) != 0)
+        throw std::runtime_error("nvshmemx_hostlib_init_attr failed");
+#else
     if (nvshmemx_init_attr(NVSHMEMX_INIT_WITH_UNIQUEID, &attr) != 0) throw std::runtime_error("nvshmemx_init_attr failed");
+#endif
     if (nvshmem_my_pe() != rank || nvshmem_n_pes() != num_ranks)
         throw std::runtime_error("low-latency mode: NVSHMEM numbered this process " + std::to_string(nvshmem_my_pe()) +
                                  " of " + std::to_string(nvshmem_n_pes()) + ", expected " + std::to_string(rank) +
@@ -72,6 +78,11 @@ NvshmemRuntime::NvshmemRuntime(int rank, int num_ranks, int64_t num_bytes, doubl
         peers[r] = static_cast<uint8_t*>(nvshmem_ptr(base_, r));
         all_peers_mapped_ = all_peers_mapped_ && peers[r] != nullptr;
     }
+#ifdef MOE_EP_LL_P2P_ONLY
+    if (!all_peers_mapped_)
+        throw std::runtime_error("low-latency mode: the P2P-only module needs every rank's buffer mapped for direct "
+                                 "stores, NVSHMEM could not map some; set MOE_EP_LOW_LATENCY_TRANSPORT=nvshmem");
+#endif
     cuda_check(cudaMalloc(&peers_, sizeof(uint8_t*) * num_ranks), "cudaMalloc(peer table)");
     cuda_check(cudaMemcpy(peers_, peers.data(), sizeof(uint8_t*) * num_ranks, cudaMemcpyHostToDevice), "cudaMemcpy");
     cuda_check(cudaMalloc(&state_, sizeof(kernels::ll::State)), "cudaMalloc(state)");

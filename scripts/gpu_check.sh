@@ -5,7 +5,9 @@
 #   parts: comma list of build,test,bench,ll,layer,fp8gemm,probe,examples,decodediag (default: the first six);
 #     test: every tests/gpu file on its own (FILE_TIMEOUT seconds each, one log), so a hang in one
 #     file costs only its own time; TESTS narrows the files, PYTEST_ARGS adds pytest options;
-#     bench: the intranode benchmark (BENCH_TIMEOUT); ll: the low-latency benchmark; layer: the MoE
+#     bench: the intranode benchmark (BENCH_TIMEOUT); ll: the low-latency benchmark (LL_TIMEOUT), once per
+#     MOE_EP_LOW_LATENCY_TRANSPORT in LL_TRANSPORTS (default "auto"; "auto nvshmem" compares the
+#     whole-program module with the relocatable one; LL_ARGS: e.g. --tokens 128 1); layer: the MoE
 #     layer benchmark (LAYER_TIMEOUT, LAYER_ARGS: e.g. --profile-experts); fp8gemm: the FP8 grouped GEMMs (CUDA and Triton) against BF16 on
 #     one GPU (FP8GEMM_TIMEOUT, FP8GEMM_ARGS: e.g. --profile);
 #     probe: benchmarks/nvlink_probe.cu (push vs pull row copies between GPUs 0 and 1, no torch);
@@ -50,7 +52,7 @@ if has build; then
         tail -40 "$OUT/build.log"
         exit 1
     fi
-    $PY -c "import moe_ep._C as c, moe_ep._fp8 as g; from moe_ep.ops.backends.cuda_low_latency import low_latency_available as ll; print('extensions loaded, sm90:', c.is_sm90_compiled(), 'FP8 kernels run:', g.fp8_grouped_mm_supported(), 'low latency:', ll())" || exit 1
+    $PY -c "import moe_ep._C as c, moe_ep._fp8 as g; import importlib; from moe_ep.ops.backends.cuda_low_latency import low_latency_available as ll; print('extensions loaded, sm90:', c.is_sm90_compiled(), 'FP8 kernels run:', g.fp8_grouped_mm_supported(), 'low latency:', ll(), 'P2P module:', ll() and bool(importlib.import_module('moe_ep._low_latency_p2p')))" || exit 1
 fi
 
 if has test; then
@@ -80,7 +82,12 @@ run_bench() {
 }
 
 has bench && run_bench intranode "${BENCH_TIMEOUT:-300}" bench_intranode.py bench_intranode.json --worlds "$EP" "$@"
-has ll && run_bench low-latency "${LL_TIMEOUT:-120}" bench_low_latency.py bench_low_latency.json --world "$EP"
+if has ll; then
+    for transport in ${LL_TRANSPORTS:-auto}; do
+        MOE_EP_LOW_LATENCY_TRANSPORT=$transport run_bench "low-latency ($transport)" "${LL_TIMEOUT:-120}" \
+            bench_low_latency.py "bench_low_latency_$transport.json" --world "$EP" ${LL_ARGS:-}
+    done
+fi
 has layer && run_bench "MoE layer" "${LAYER_TIMEOUT:-200}" bench_moe_layer.py bench_moe_layer.json --world "$EP" ${LAYER_ARGS:-}
 has fp8gemm && run_bench "FP8 grouped GEMM" "${FP8GEMM_TIMEOUT:-150}" bench_fp8_grouped_gemm.py \
     bench_fp8_grouped_gemm.json ${FP8GEMM_ARGS:-}

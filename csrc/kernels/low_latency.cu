@@ -90,7 +90,8 @@ MOE_EP_DEVICE void put_signal(uint64_t* sym_signal, uint64_t signal, int pe) {
 
 MOE_EP_DEVICE void complete_puts() { nvshmem_quiet(); }
 #else
-// Without NVSHMEM the runtime does not exist; a build for the compile check only needs these to exist.
+// Without NVSHMEM's device library (the P2P-only module, whose runtime requires every peer mapped, and
+// the compile check) peers are only ever written with direct stores.
 MOE_EP_DEVICE void put_row_with_signal(uint8_t*, const uint8_t*, size_t, uint64_t*, uint64_t, int) { __trap(); }
 MOE_EP_DEVICE void put_signal(uint64_t*, uint64_t, int) { __trap(); }
 MOE_EP_DEVICE void complete_puts() {}

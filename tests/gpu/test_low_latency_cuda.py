@@ -180,6 +180,57 @@ def test_low_latency_cuda_matches_torch(nccl_pool, world: int, case: Case) -> No
     assert sum(received) > 0
 
 
+def _transport(rank: int, world: int) -> tuple[str, str, bool]:
+    from moe_ep.ops.backends import cuda_low_latency as module
+
+    runtime = _cuda_runtime(rank, world)
+    return module._transport, module._ext().__name__, runtime._runtime.all_peers_mapped
+
+
+@needs_gpu
+@pytest.mark.skipif(torch.cuda.device_count() < 2 or not torch.cuda.can_device_access_peer(0, 1),
+                    reason="needs 2 GPUs with peer access")
+def test_low_latency_uses_whole_program_module_on_one_host(nccl_pool) -> None:
+    """One host with P2P everywhere: the P2P-only module (whole-program kernels) is chosen."""
+    for transport, module, mapped in nccl_pool(2).run(_transport):
+        assert (transport, module, mapped) == ("p2p", "moe_ep._low_latency_p2p", True)
+
+
+def _compare_cases(rank: int, world: int, cases: list[dict]) -> tuple[str, int]:
+    from moe_ep.ops.backends import cuda_low_latency as module
+
+    received = sum(_compare_case(rank, world, case) for case in cases)
+    return module._ext().__name__, received
+
+
+@needs_gpu
+@pytest.mark.parametrize("world", [2, 4])
+def test_low_latency_relocatable_module_matches_torch(monkeypatch, world: int) -> None:
+    """MOE_EP_LOW_LATENCY_TRANSPORT=nvshmem: the relocatable module (NVSHMEM device library) gives the same
+    results on the cases that exercise BF16, FP8 with UE8M0, hooks, zero-copy, skew and an empty rank."""
+    if torch.cuda.device_count() < world:
+        pytest.skip(f"needs {world} GPUs")
+    from dist_pool import DistPool
+
+    monkeypatch.setenv("MOE_EP_LOW_LATENCY_TRANSPORT", "nvshmem")  # spawned workers inherit it
+    names = ("bf16_h128_top1", "ue8m0_h7168_top8_hook_zero_copy", "fp8_h7168_top16_skewed_empty_rank")
+    pool = DistPool(world, "nccl")
+    try:
+        outcomes = pool.run(_compare_cases, [asdict(c) for c in CASES if c.name in names], timeout=600)
+    finally:
+        pool.close()
+    for module, received in outcomes:
+        assert module == "moe_ep._low_latency" and received > 0
+
+
+def test_transport_setting_is_checked(monkeypatch) -> None:
+    from moe_ep.ops.backends import cuda_low_latency as module
+
+    monkeypatch.setenv("MOE_EP_LOW_LATENCY_TRANSPORT", "ibgda")
+    with pytest.raises(ValueError, match="MOE_EP_LOW_LATENCY_TRANSPORT"):
+        module._choose_transport(None, 1, torch.device("cpu"))
+
+
 # ------------------------------------------------------------------ operations in flight
 
 

@@ -1,10 +1,12 @@
-"""Low-latency mode of the CUDA backend: the `moe_ep._low_latency` kernels over an NVSHMEM symmetric buffer.
+"""Low-latency mode of the CUDA backend: the low-latency kernels over an NVSHMEM symmetric buffer.
 
 `LowLatencyRuntime` implements the four low-latency methods of `CommBackend` with the signatures and
 results of the torch backend (docs/semantics.md); `CudaBackend` delegates to it. NVSHMEM joins the
 process once, from the torch process group (rank 0's unique id travels by a uint8 tensor broadcast);
 each runtime then allocates one symmetric buffer of `num_rdma_bytes`. Peers NVSHMEM maps into this
-process (NVLink) are written with direct stores, others through NVSHMEM put-with-signal.
+process (NVLink) are written with direct stores, others through NVSHMEM put-with-signal. A group on one
+host with peer access everywhere uses `moe_ep._low_latency_p2p`, the same kernels built as whole-program
+code without the put path (faster); others use `moe_ep._low_latency` (see `_choose_transport`).
 
 Differences from the torch backend that the semantics allow: rows of `recv_x` past `recv_count` and
 their `src_info` are left as they were; messages are packed source-major in token order, so the rows,
@@ -29,6 +31,7 @@ from __future__ import annotations
 
 import functools
 import importlib
+import importlib.util
 import os
 import socket
 import zlib
@@ -50,27 +53,55 @@ _DEFAULT_TIMEOUT_S = 10.0
 _nvshmem_members: Optional[tuple[int, ...]] = None
 
 
+_MODULES = {"nvshmem": "moe_ep._low_latency", "p2p": "moe_ep._low_latency_p2p"}
+_TRANSPORT_ENV = "MOE_EP_LOW_LATENCY_TRANSPORT"
+# The low-latency module of this process, chosen when NVSHMEM joins it (`_choose_transport`).
+_transport = "nvshmem"
+
+
 @functools.cache
+def _module(name: str):
+    return importlib.import_module(name)
+
+
 def _ext():
-    return importlib.import_module("moe_ep._low_latency")
+    return _module(_MODULES[_transport])
 
 
 def low_latency_available() -> bool:
     """Whether the extension `moe_ep._low_latency` (low-latency kernels and NVSHMEM runtime) was built."""
     try:
-        _ext()
+        _module(_MODULES["nvshmem"])
     except ImportError:
         return False
     return True
 
 
-def _single_host(group: dist.ProcessGroup, num_ranks: int, device: torch.device) -> bool:
+def _choose_transport(group: dist.ProcessGroup, num_ranks: int, device: torch.device) -> tuple[bool, str]:
+    """(whether the group is on one host, the transport: "p2p" or "nvshmem").
+
+    "p2p" (`moe_ep._low_latency_p2p`: whole-program kernels writing every peer with direct stores) when
+    the group is on one host and its GPUs have peer access to each other; "nvshmem" (relocatable kernels,
+    NVSHMEM puts for peers without P2P) otherwise. `MOE_EP_LOW_LATENCY_TRANSPORT=p2p|nvshmem` overrides.
+    """
+    forced = os.environ.get(_TRANSPORT_ENV, "auto")
+    if forced not in ("auto", *_MODULES):
+        raise ValueError(f"{_TRANSPORT_ENV}: expected auto, p2p or nvshmem, got {forced!r}")
     host = zlib.crc32(socket.gethostname().encode()).to_bytes(4, "little")
-    return len(set(all_gather_bytes(host, group, num_ranks, device))) == 1
+    records = all_gather_bytes(host + device.index.to_bytes(4, "little"), group, num_ranks, device)
+    single_host = len({record[:4] for record in records}) == 1
+    if forced != "auto":
+        return single_host, forced
+    # Processes that see one GPU each all report index 0: the runtime then checks the mappings itself.
+    devices = {int.from_bytes(record[4:], "little") for record in records}
+    peer_access = all(torch.cuda.can_device_access_peer(a, b) for a in devices for b in devices if a != b)
+    if importlib.util.find_spec(_MODULES["p2p"]) is None:  # not built
+        return single_host, "nvshmem"
+    return single_host, "p2p" if single_host and peer_access else "nvshmem"
 
 
 def _init_nvshmem(group: dist.ProcessGroup, rank: int, num_ranks: int, device: torch.device) -> None:
-    global _nvshmem_members
+    global _nvshmem_members, _transport
     members = tuple(dist.get_process_group_ranks(group))
     if _nvshmem_members is not None:
         if members != _nvshmem_members:
@@ -80,7 +111,8 @@ def _init_nvshmem(group: dist.ProcessGroup, rank: int, num_ranks: int, device: t
     # NVLink SHArP (multicast) stays off: it can take down GPUs shared with others. Without another
     # host in the group no remote transport is needed, which also skips probing for InfiniBand.
     os.environ.setdefault("NVSHMEM_DISABLE_NVLS", "1")
-    if _single_host(group, num_ranks, device):
+    single_host, _transport = _choose_transport(group, num_ranks, device)
+    if single_host:
         os.environ.setdefault("NVSHMEM_REMOTE_TRANSPORT", "none")
     runtime = _ext().NvshmemRuntime
     unique_id = runtime.create_unique_id() if rank == 0 else None
