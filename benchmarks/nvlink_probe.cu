@@ -1,13 +1,14 @@
-// NVLink probe: how fast can SMs move rows between two GPUs when both do it at once, by pushing
-// (stores into the peer) or pulling (loads from the peer)? Evidence for the intranode combine design
-// (docs/perf-notes-intranode.md, variant 14). Standalone: no torch, one process driving GPUs 0 and 1
-// with peer access. Every mode moves `rows` rows of `row_bytes` (default 11,000 x 14,336 B = 158 MB,
-// the remote bytes one rank moves in the 4-rank benchmark) from one GPU's source buffer into the other
-// GPU's destination buffer, in both directions at the same time; the printed GB/s is per GPU and
-// direction (bytes / time of the slower GPU).
+// NVLink probe: how fast can SMs move rows between GPUs when all of them do it at once, by pushing
+// (stores into the peer) or pulling (loads from the peer)? Evidence for the intranode designs
+// (docs/perf-notes-intranode.md, variant 14 and session 9). Standalone: no torch, one process driving
+// GPUs 0 .. gpus-1 with peer access. Every mode moves `rows` rows of `row_bytes` (default 11,000 x
+// 14,336 B = 158 MB, the remote bytes one rank moves in the 4-rank benchmark) out of every GPU at the
+// same time, warp w of a GPU moving its rows to or from its peer number w % (gpus - 1) (with 4 GPUs: an
+// all-to-all, like the dispatch and combine); the printed GB/s is per GPU and direction (bytes / time
+// of the slowest GPU).
 //   nvcc -O3 -std=c++17 -I csrc/kernels -gencode arch=compute_90a,code=sm_90a -o /tmp/nvlink_probe \
 //       benchmarks/nvlink_probe.cu
-//   /tmp/nvlink_probe [rows] [row_bytes]   (prints one JSON object per line)
+//   /tmp/nvlink_probe [rows] [row_bytes] [gpus]   (gpus default 2; prints one JSON object per line)
 #include <cstdint>
 #include <cstdio>
 #include <cstdlib>
@@ -41,8 +42,16 @@ constexpr int kLag = 3;  // stores left in flight before a stage is reused
 
 // Bulk modes: every warp's lane 0 runs one pipeline of `stages` shared-memory stages: bulk load a row,
 // bulk store it, loads issued stages - kLag rows ahead.
-__global__ void __launch_bounds__(128, 1) bulk_kernel(const uint8_t* src, uint8_t* dst, int rows, int row_bytes,
-                                                     int stages) {
+constexpr int kMaxGpus = 8;
+
+// Where warp w of a GPU reads and writes: its peer number w % count (local mode: count 1).
+struct Targets {
+    const uint8_t* src[kMaxGpus];
+    uint8_t* dst[kMaxGpus];
+    int count;
+};
+
+__global__ void __launch_bounds__(128, 1) bulk_kernel(const Targets t, int rows, int row_bytes, int stages) {
     extern __shared__ __align__(128) uint8_t smem[];
     const int warp = threadIdx.x / 32, warps = blockDim.x / 32;
     uint64_t* bars = reinterpret_cast<uint64_t*>(smem) + warp * 32;
@@ -51,8 +60,11 @@ __global__ void __launch_bounds__(128, 1) bulk_kernel(const uint8_t* src, uint8_
     for (int s = 0; s < stages; ++s) mbar_init(bars + s, 1);
     asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
     int begin, end;
-    channel_range(rows, gridDim.x * warps, blockIdx.x * warps + warp, begin, end);  // this warp's rows
+    const int global_warp = blockIdx.x * warps + warp;
+    channel_range(rows, gridDim.x * warps, global_warp, begin, end);  // this warp's rows
     const int n = end - begin;
+    const uint8_t* src = t.src[global_warp % t.count];
+    uint8_t* dst = t.dst[global_warp % t.count];
     auto load = [&](int i) {
         if (i >= n) return;
         const int s = i % stages;
@@ -74,10 +86,13 @@ __global__ void __launch_bounds__(128, 1) bulk_kernel(const uint8_t* src, uint8_
 
 // Load/store modes: a warp moves a row with 16-byte accesses, the whole row's loads in flight at once.
 constexpr int kUnitsPerLane = 28;  // 14,336-byte rows: 28 x 16 B per lane
-__global__ void __launch_bounds__(256, 1) ldst_kernel(const int4* src, int4* dst, int rows, int row_units) {
+__global__ void __launch_bounds__(256, 1) ldst_kernel(const Targets t, int rows, int row_units) {
     const int warp = threadIdx.x / 32, lane = threadIdx.x & 31, warps = blockDim.x / 32;
     int begin, end;
-    channel_range(rows, gridDim.x * warps, blockIdx.x * warps + warp, begin, end);  // this warp's rows
+    const int global_warp = blockIdx.x * warps + warp;
+    channel_range(rows, gridDim.x * warps, global_warp, begin, end);  // this warp's rows
+    const int4* src = reinterpret_cast<const int4*>(t.src[global_warp % t.count]);
+    int4* dst = reinterpret_cast<int4*>(t.dst[global_warp % t.count]);
     for (int r = begin; r < end; ++r) {
         int4 v[kUnitsPerLane];
 #pragma unroll
@@ -91,7 +106,7 @@ __global__ void __launch_bounds__(256, 1) ldst_kernel(const int4* src, int4* dst
 
 struct Gpu {
     uint8_t* src;
-    uint8_t* dst;
+    uint8_t* dst;  // [gpus][rows x row_bytes]: the rows from GPU s land in block s
     cudaStream_t stream;
     cudaEvent_t start, stop;
 };
@@ -101,20 +116,23 @@ struct Gpu {
 int main(int argc, char** argv) {
     const int rows = argc > 1 ? std::atoi(argv[1]) : 11000;
     const int row_bytes = argc > 2 ? std::atoi(argv[2]) : 14336;
+    const int gpus = argc > 3 ? std::atoi(argv[3]) : 2;
     const size_t bytes = static_cast<size_t>(rows) * row_bytes;
     int count = 0;
     CHECK(cudaGetDeviceCount(&count));
-    if (count < 2) {
-        std::fprintf(stderr, "needs 2 GPUs, found %d\n", count);
+    if (gpus < 2 || gpus > kMaxGpus || count < gpus) {
+        std::fprintf(stderr, "gpus: expected 2 to %d and at most the %d GPUs present, got %d\n", kMaxGpus, count, gpus);
         return 1;
     }
-    Gpu g[2];
-    for (int d = 0; d < 2; ++d) {
+    Gpu g[kMaxGpus];
+    for (int d = 0; d < gpus; ++d) {
         CHECK(cudaSetDevice(d));
-        CHECK(cudaDeviceEnablePeerAccess(1 - d, 0));
+        for (int p = 0; p < gpus; ++p)
+            if (p != d) CHECK(cudaDeviceEnablePeerAccess(p, 0));
         CHECK(cudaMalloc(&g[d].src, bytes));
-        CHECK(cudaMalloc(&g[d].dst, bytes));
+        CHECK(cudaMalloc(&g[d].dst, bytes * gpus));
         CHECK(cudaMemset(g[d].src, d + 1, bytes));
+        CHECK(cudaMemset(g[d].dst, 0, bytes * gpus));
         CHECK(cudaStreamCreateWithFlags(&g[d].stream, cudaStreamNonBlocking));
         CHECK(cudaEventCreate(&g[d].start));
         CHECK(cudaEventCreate(&g[d].stop));
@@ -126,29 +144,42 @@ int main(int argc, char** argv) {
     for (int mode = 0; mode < 5; ++mode) {
         for (int blocks : sm_counts) {
             const bool bulk = mode == kPushBulk || mode == kPullBulk || mode == kLocalBulk;
+            const bool pull = mode == kPullBulk || mode == kPullLoad, push = mode == kPushBulk || mode == kPushStore;
             const int warps = bulk ? 2 : 8;
             const int stages = bulk ? (220 * 1024 - 4096) / (warps * row_bytes) : 0;
+            // Pull: this GPU reads a peer's source into its own destination block for that peer; push:
+            // it writes its source into its block of the peer's destination; local: its own buffers.
+            auto targets = [&](int d) {
+                Targets t{};
+                for (int p = 0; p < gpus && mode != kLocalBulk; ++p) {
+                    if (p == d) continue;
+                    t.src[t.count] = pull ? g[p].src : g[d].src;
+                    t.dst[t.count] = push ? g[p].dst + d * bytes : g[d].dst + p * bytes;
+                    ++t.count;
+                }
+                if (mode == kLocalBulk) {
+                    t.src[0] = g[d].src;
+                    t.dst[0] = g[d].dst + d * bytes;
+                    t.count = 1;
+                }
+                return t;
+            };
             auto launch = [&](int d) {
-                const int peer = 1 - d;
-                // Pull: this GPU reads the peer's source into its own destination; push: the reverse.
-                const uint8_t* from = mode == kPullBulk || mode == kPullLoad ? g[peer].src : g[d].src;
-                uint8_t* to = mode == kPushBulk || mode == kPushStore ? g[peer].dst : g[d].dst;
                 if (bulk) {
                     const size_t smem = 4096 + static_cast<size_t>(warps) * stages * row_bytes;
-                    bulk_kernel<<<blocks, 32 * warps, smem, g[d].stream>>>(from, to, rows, row_bytes, stages);
+                    bulk_kernel<<<blocks, 32 * warps, smem, g[d].stream>>>(targets(d), rows, row_bytes, stages);
                 } else {
-                    ldst_kernel<<<blocks, 32 * warps, 0, g[d].stream>>>(reinterpret_cast<const int4*>(from),
-                                                                        reinterpret_cast<int4*>(to), rows, row_bytes / 16);
+                    ldst_kernel<<<blocks, 32 * warps, 0, g[d].stream>>>(targets(d), rows, row_bytes / 16);
                 }
             };
             const int warmup = 2, iters = 10;
             float worst_ms = 0.0f;
             for (int it = 0; it < warmup + iters; ++it) {
-                for (int d = 0; d < 2; ++d) {
+                for (int d = 0; d < gpus; ++d) {
                     CHECK(cudaSetDevice(d));
                     CHECK(cudaStreamSynchronize(g[d].stream));
                 }
-                for (int d = 0; d < 2; ++d) {
+                for (int d = 0; d < gpus; ++d) {
                     CHECK(cudaSetDevice(d));
                     CHECK(cudaEventRecord(g[d].start, g[d].stream));
                     launch(d);
@@ -156,7 +187,7 @@ int main(int argc, char** argv) {
                     CHECK(cudaEventRecord(g[d].stop, g[d].stream));
                 }
                 float slowest = 0.0f;
-                for (int d = 0; d < 2; ++d) {
+                for (int d = 0; d < gpus; ++d) {
                     CHECK(cudaSetDevice(d));
                     CHECK(cudaEventSynchronize(g[d].stop));
                     float ms = 0.0f;
@@ -165,15 +196,21 @@ int main(int argc, char** argv) {
                 }
                 if (it >= warmup) worst_ms += slowest / iters;
             }
-            // Check one row landed where it should (pushes and pulls both end in the other GPU's bytes).
+            // The last row GPU 1 moves (its last warp's, with peer number W - 1 of its peers 0, 2, 3, ...)
+            // must hold GPU 1's bytes where it went; local mode: GPU 0's own copy.
+            const int peer_number = (blocks * warps - 1) % (gpus - 1);
+            const int peer = peer_number == 0 ? 0 : peer_number + 1;
+            const uint8_t* where = mode == kLocalBulk ? g[0].dst + bytes - 1
+                                   : push         ? g[peer].dst + bytes + bytes - 1
+                                                  : g[1].dst + static_cast<size_t>(peer) * bytes + bytes - 1;
             uint8_t probe = 0;
-            CHECK(cudaSetDevice(0));
-            CHECK(cudaMemcpy(&probe, g[0].dst + bytes - 1, 1, cudaMemcpyDeviceToHost));
-            const int expected = mode == kLocalBulk ? 1 : 2;
+            CHECK(cudaSetDevice(mode == kLocalBulk ? 0 : push ? peer : 1));
+            CHECK(cudaMemcpy(&probe, where, 1, cudaMemcpyDeviceToHost));
+            const int expected = mode == kLocalBulk ? 1 : pull ? peer + 1 : 2;
             std::printf(
-                "{\"mode\": \"%s\", \"sms\": %d, \"warps_per_block\": %d, \"stages_per_warp\": %d, \"bytes\": %zu, "
-                "\"time_us\": %.1f, \"gb_per_s\": %.1f, \"check\": %s}\n",
-                kModeNames[mode], blocks, warps, stages, bytes, worst_ms * 1e3, bytes / (worst_ms * 1e-3) / 1e9,
+                "{\"mode\": \"%s\", \"gpus\": %d, \"sms\": %d, \"warps_per_block\": %d, \"stages_per_warp\": %d, "
+                "\"bytes\": %zu, \"time_us\": %.1f, \"gb_per_s\": %.1f, \"check\": %s}\n",
+                kModeNames[mode], gpus, blocks, warps, stages, bytes, worst_ms * 1e3, bytes / (worst_ms * 1e-3) / 1e9,
                 probe == expected ? "true" : "false");
             std::fflush(stdout);
         }

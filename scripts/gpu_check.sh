@@ -10,7 +10,8 @@
 #     whole-program module with the relocatable one; LL_ARGS: e.g. --tokens 128 1); layer: the MoE
 #     layer benchmark (LAYER_TIMEOUT, LAYER_ARGS: e.g. --profile-experts); fp8gemm: the FP8 grouped GEMMs (CUDA and Triton) against BF16 on
 #     one GPU (FP8GEMM_TIMEOUT, FP8GEMM_ARGS: e.g. --profile);
-#     probe: benchmarks/nvlink_probe.cu (push vs pull row copies between GPUs 0 and 1, no torch);
+#     probe: benchmarks/nvlink_probe.cu (push vs pull row copies between GPUs, no torch; PROBE_ARGS:
+#     rows row_bytes gpus, default 11000 14336 2);
 #     examples: the DeepSeek-V3-style training on every GPU and the accelerate fine-tuning on 2 GPUs
 #     (EXAMPLES_TIMEOUT each, output in examples.log, loss curve and metrics in files.tgz).
 # Benchmarks run with MOE_EP_CHECK_VALUES=0 (no front-end value checks, as in DeepEP). At most 8 files come
@@ -97,7 +98,7 @@ if has probe; then
     echo "================ NVLink probe" >> "$OUT/bench.log"
     nvcc -O3 -std=c++17 -I csrc/kernels -gencode arch=compute_90a,code=sm_90a -o /tmp/nvlink_probe \
         benchmarks/nvlink_probe.cu \
-        >> "$OUT/bench.log" 2>&1 && timeout 120 /tmp/nvlink_probe | tee "$FILES/nvlink_probe.jsonl" >> "$OUT/bench.log"
+        >> "$OUT/bench.log" 2>&1 && timeout 120 /tmp/nvlink_probe ${PROBE_ARGS:-} | tee "$FILES/nvlink_probe.jsonl" >> "$OUT/bench.log"
     summary+=("probe: rc=$? in $(( $(date +%s) - start )) s")
     tail -15 "$OUT/bench.log"
 fi
