@@ -51,8 +51,6 @@ _MAX_IN_FLIGHT = 2  # operations sent but not yet received: one per half of the 
 _DEFAULT_TIMEOUT_S = 10.0
 # Global ranks of the group NVSHMEM joined this process with (NVSHMEM initialises once per process).
 _nvshmem_members: Optional[tuple[int, ...]] = None
-
-
 _MODULES = {"nvshmem": "moe_ep._low_latency", "p2p": "moe_ep._low_latency_p2p"}
 _TRANSPORT_ENV = "MOE_EP_LOW_LATENCY_TRANSPORT"
 # The low-latency module of this process, chosen when NVSHMEM joins it (`_choose_transport`).
@@ -92,12 +90,12 @@ def _choose_transport(group: dist.ProcessGroup, num_ranks: int, device: torch.de
     single_host = len({record[:4] for record in records}) == 1
     if forced != "auto":
         return single_host, forced
+    if not single_host or importlib.util.find_spec(_MODULES["p2p"]) is None:  # the P2P module was not built
+        return single_host, "nvshmem"
     # Processes that see one GPU each all report index 0: the runtime then checks the mappings itself.
     devices = {int.from_bytes(record[4:], "little") for record in records}
     peer_access = all(torch.cuda.can_device_access_peer(a, b) for a in devices for b in devices if a != b)
-    if importlib.util.find_spec(_MODULES["p2p"]) is None:  # not built
-        return single_host, "nvshmem"
-    return single_host, "p2p" if single_host and peer_access else "nvshmem"
+    return single_host, "p2p" if peer_access else "nvshmem"
 
 
 def _init_nvshmem(group: dist.ProcessGroup, rank: int, num_ranks: int, device: torch.device) -> None:
