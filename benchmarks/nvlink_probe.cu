@@ -140,7 +140,7 @@ int main(int argc, char** argv) {
     }
     int sms = 0;
     CHECK(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, 0));
-    const int sm_counts[] = {24, 48, sms};
+    const int sm_counts[] = {12, 24, 48, sms};
     for (int mode = 0; mode < 5; ++mode) {
         for (int blocks : sm_counts) {
             const bool bulk = mode == kPushBulk || mode == kPullBulk || mode == kLocalBulk;
