@@ -44,9 +44,9 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 from moe_ep.launch import free_port
+from moe_ep.ops.backends import cuda_low_latency
 from moe_ep.ops.backends.cuda_low_latency import LowLatencyRuntime
 from moe_ep.ops.config import low_latency_buffer_bytes
-from moe_ep.ops.backends import cuda_low_latency
 from timing import hold_then_start_in_step, median_time_us, queued_time_us, slowest_rank
 
 

@@ -40,8 +40,6 @@ __device__ __forceinline__ void wait_stage(uint64_t* bar, uint32_t parity) {
 
 constexpr int kLag = 3;  // stores left in flight before a stage is reused
 
-// Bulk modes: every warp's lane 0 runs one pipeline of `stages` shared-memory stages: bulk load a row,
-// bulk store it, loads issued stages - kLag rows ahead.
 constexpr int kMaxGpus = 8;
 
 // Where warp w of a GPU reads and writes: its peer number w % count (local mode: count 1).
@@ -51,6 +49,8 @@ struct Targets {
     int count;
 };
 
+// Bulk modes: every warp's lane 0 runs one pipeline of `stages` shared-memory stages: bulk load a row,
+// bulk store it, loads issued stages - kLag rows ahead.
 __global__ void __launch_bounds__(128, 1) bulk_kernel(const Targets t, int rows, int row_bytes, int stages) {
     extern __shared__ __align__(128) uint8_t smem[];
     const int warp = threadIdx.x / 32, warps = blockDim.x / 32;
@@ -151,16 +151,17 @@ int main(int argc, char** argv) {
             // it writes its source into its block of the peer's destination; local: its own buffers.
             auto targets = [&](int d) {
                 Targets t{};
-                for (int p = 0; p < gpus && mode != kLocalBulk; ++p) {
-                    if (p == d) continue;
-                    t.src[t.count] = pull ? g[p].src : g[d].src;
-                    t.dst[t.count] = push ? g[p].dst + d * bytes : g[d].dst + p * bytes;
-                    ++t.count;
-                }
                 if (mode == kLocalBulk) {
                     t.src[0] = g[d].src;
                     t.dst[0] = g[d].dst + d * bytes;
                     t.count = 1;
+                    return t;
+                }
+                for (int p = 0; p < gpus; ++p) {
+                    if (p == d) continue;
+                    t.src[t.count] = pull ? g[p].src : g[d].src;
+                    t.dst[t.count] = push ? g[p].dst + d * bytes : g[d].dst + p * bytes;
+                    ++t.count;
                 }
                 return t;
             };
