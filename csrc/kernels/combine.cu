@@ -252,7 +252,7 @@ cudaError_t launch_typed(const CombineArgs& args, const CommContext& comm, cudaS
 
 }  // namespace
 
-int combine_slot_bytes(int row_bytes, int num_topk) { return (row_bytes + 4 * num_topk + 15) / 16 * 16; }
+int combine_slot_bytes(int row_bytes, int num_topk) { return align_slot(row_bytes + 4 * num_topk); }
 
 cudaError_t launch_combine(const CombineArgs& args, const CommContext& comm, cudaStream_t stream) {
 #ifdef MOE_EP_PROFILE

@@ -301,6 +301,12 @@ MOE_EP_DEVICE void clear_ring_counters(const CommContext& comm) {
     for (int i = threadIdx.x; i < 2 * kMaxChannels * kMaxRanks; i += blockDim.x) own[ctrl::kTail + i] = 0;
 }
 
+// Ring slots are whole 128-byte lines: NVLink stores that cover only part of a line cost about 30 %
+// of the throughput (docs/perf-notes-intranode.md, variant 21).
+constexpr int kSlotAlign = 128;
+
+__host__ __device__ inline int align_slot(int bytes) { return (bytes + kSlotAlign - 1) / kSlotAlign * kSlotAlign; }
+
 // Byte offset of the ring (channel, source) inside a receiver's data region.
 MOE_EP_DEVICE size_t ring_offset(int channel, int source, int num_ranks, int ring_slots, int slot_bytes) {
     return (static_cast<size_t>(channel) * num_ranks + source) * ring_slots * static_cast<size_t>(slot_bytes);

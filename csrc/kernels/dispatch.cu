@@ -311,7 +311,7 @@ __global__ void fill_padding_kernel(const int* num_recv, int num_rows, int row_b
 }  // namespace
 
 int dispatch_slot_bytes(int row_bytes, int num_scales, int num_topk) {
-    return (row_bytes + 4 * (num_scales + 1 + 2 * num_topk) + 15) / 16 * 16;
+    return align_slot(row_bytes + 4 * (num_scales + 1 + 2 * num_topk));
 }
 
 int max_pipeline_stages(int slot_bytes, int pipelines) {

@@ -53,8 +53,9 @@ class Config:
         return self.num_sms // 2 * CHANNELS_PER_SM_PAIR
 
     def _token_bytes(self, hidden_bytes: int) -> int:
-        # Hidden bytes, FP8 scales (one float per 128 hidden bytes at most) and metadata.
-        return _align(hidden_bytes, 16) + _align(hidden_bytes // FP8_BLOCK * 4, 16) + _TOKEN_META_BYTES
+        # Hidden bytes, FP8 scales (one float per 128 hidden bytes at most) and metadata, in whole
+        # 128-byte lines as the CUDA kernels' ring slots (`kSlotAlign`).
+        return _align(_align(hidden_bytes, 16) + _align(hidden_bytes // FP8_BLOCK * 4, 16) + _TOKEN_META_BYTES)
 
     def get_nvl_buffer_size_hint(self, hidden_bytes: int, num_ranks: int) -> int:
         """Bytes of NVLink buffer one rank needs: a receive ring per (channel, source rank) plus counters."""
