@@ -30,23 +30,23 @@ int num_device_sms(int device) {
     return sms;
 }
 
-// Channels of a launch on `num_sms` SMs (a block pair per kChannelsPerBlock channels); every block of the
-// grid must be resident at once.
+// Channels of a launch on `num_sms` SMs (kChannelsPerSmPair per SM pair, a block each); every block of
+// the grid must be resident at once.
 int channels_for(const NvlRuntime& rt, int64_t num_sms) {
-    constexpr int max_sms = 2 * kernels::kMaxChannels / kernels::kChannelsPerBlock;
+    constexpr int max_sms = 2 * kernels::kMaxChannels / kernels::kChannelsPerSmPair;
     TORCH_CHECK_VALUE(num_sms >= 2 && num_sms <= max_sms && num_sms % 2 == 0,
                       "config.num_sms: expected an even number from 2 to ", max_sms, ", got ", num_sms);
     TORCH_CHECK_VALUE(num_sms <= num_device_sms(rt.device()), "config.num_sms: ", num_sms, " exceeds the ",
                       num_device_sms(rt.device()), " SMs of the device");
-    return static_cast<int>(num_sms / 2 * kernels::kChannelsPerBlock);
+    return static_cast<int>(num_sms / 2 * kernels::kChannelsPerSmPair);
 }
 
 // The channel count of a handle's prefix matrices must be one that `channels_for` gives.
 void check_channels(const NvlRuntime& rt, int num_channels) {
-    TORCH_CHECK_VALUE(num_channels % kernels::kChannelsPerBlock == 0, "handle: the prefix matrices have ",
-                      num_channels, " channels, expected a multiple of ", kernels::kChannelsPerBlock,
+    TORCH_CHECK_VALUE(num_channels % kernels::kChannelsPerSmPair == 0, "handle: the prefix matrices have ",
+                      num_channels, " channels, expected a multiple of ", kernels::kChannelsPerSmPair,
                       " (use the handle of a dispatch with the same Config)");
-    channels_for(rt, 2 * num_channels / kernels::kChannelsPerBlock);
+    channels_for(rt, 2 * num_channels / kernels::kChannelsPerSmPair);
 }
 
 // The rings of one kernel must fit into the NVLink buffer.
@@ -56,7 +56,7 @@ void check_ring_space(const NvlRuntime& rt, int num_channels, int ring_slots, in
                       " bytes of NVLink buffer for ", num_channels, " channels x ", rt.num_ranks(), " ranks x ",
                       ring_slots, " slots x ", slot_bytes, " bytes, the Buffer has ", rt.data_bytes(),
                       " (size it with Config.get_nvl_buffer_size_hint)");
-    TORCH_CHECK_VALUE(kernels::max_pipeline_stages(slot_bytes, kernels::kChannelsPerBlock) > 0, "x: a row of ", slot_bytes,
+    TORCH_CHECK_VALUE(kernels::max_pipeline_stages(slot_bytes, kernels::kDispatchPipelinesPerBlock) > 0, "x: a row of ", slot_bytes,
                       " bytes (with metadata) is too large for the CUDA backend's shared-memory stages");
 }
 

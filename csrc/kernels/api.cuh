@@ -22,10 +22,12 @@ constexpr int kMaxChannels = 64;
 constexpr int kMaxTopk = 32;
 constexpr int kMaxLocalExperts = 256;
 constexpr int kMaxStages = 32;
-// Normal-mode channels per block: a dispatch block runs this many independent channel pipelines (one
-// pipeline's per-token chain of latencies cannot keep an SM busy); a combine block serves one channel,
-// its senders and reducers side by side. `Config.num_sms` SMs give num_sms / 2 * this channels.
-constexpr int kChannelsPerBlock = 2;
+// Normal-mode channels per pair of SMs: `Config.num_sms` SMs give num_sms / 2 * this channels, one block
+// per channel. A dispatch block runs its channel's send pipeline and receive pipeline side by side (one
+// pipeline's per-token chain of latencies cannot keep an SM busy); a combine block its channel's
+// senders and reducers.
+constexpr int kChannelsPerSmPair = 2;
+constexpr int kDispatchPipelinesPerBlock = 2;
 
 // Control area at the end of every rank's NVLink buffer, in ints. Peers write barrier signals, ring
 // tails/heads and notify slots into it; the owner clears tails/heads between barriers.

@@ -1,6 +1,6 @@
-// Intranode dispatch. Even blocks send, odd blocks receive; block pair b runs kChannelsPerBlock
-// independent pipelines, one per channel b * kChannelsPerBlock + p (a contiguous token range): its
-// sender half sends that channel to every destination, its receiver half receives it from every source. A ring slot holds one token: the hidden row, then the
+// Intranode dispatch. Block c serves channel c (a contiguous token range) with two independent
+// pipelines: its send pipeline sends the channel to every destination, its receive pipeline receives
+// it from every source, so that every SM pushes to peers. A ring slot holds one token: the hidden row, then the
 // extras [scales (G x 4 B) | source index | top-k ids (k x int32) | top-k weights (k x f32)].
 // Tokens for this rank itself skip the rings: the sender writes them straight into the outputs.
 #include <algorithm>
@@ -15,7 +15,7 @@ namespace {
 // send_head. Receiver: warp 0 loads, warp 1 stores.
 constexpr int kLoaderWarps = 4;
 constexpr int kPipelineThreads = 32 * (kLoaderWarps + 2);
-constexpr int kDispatchThreads = kPipelineThreads * kChannelsPerBlock;
+constexpr int kDispatchThreads = kPipelineThreads * kDispatchPipelinesPerBlock;
 
 struct SlotLayout {
     int row_bytes, num_scales, num_topk;
@@ -257,13 +257,12 @@ __global__ void __launch_bounds__(kDispatchThreads, 1) dispatch_kernel(DispatchA
     extern __shared__ __align__(1024) uint8_t smem[];
     __shared__ volatile int s_abort;  // shared by the block's pipelines: one failure stops both
     const int pipeline = threadIdx.x / kPipelineThreads;
-    const int channel = blockIdx.x / 2 * kChannelsPerBlock + pipeline;
-    const bool is_sender = blockIdx.x % 2 == 0;
+    const int channel = blockIdx.x;
+    const bool is_sender = pipeline == 0;
     const int warp = (threadIdx.x % kPipelineThreads) / 32;
     // A cancelled dispatch still writes send_head (this rank's routing alone), so that a combine issued
     // with its handle before the error surfaces pairs up across ranks instead of waiting on garbage.
     const bool cancelled = dispatch_cancelled(comm, recv_total(a.rank_prefix_matrix, comm), a.num_recv_rows);
-    if (cancelled && !is_sender) return;
     const SlotLayout layout{a.row_bytes, a.num_scales, a.num_topk};
     const StageRing ring = make_stage_ring(smem + pipeline * stage_ring_smem_bytes(num_stages, slot_bytes), num_stages,
                                            slot_bytes, threadIdx.x % kPipelineThreads == 0);
@@ -272,6 +271,7 @@ __global__ void __launch_bounds__(kDispatchThreads, 1) dispatch_kernel(DispatchA
     MOE_EP_PROF(static_assert(kLoaderWarps == prof::kDispatchLoaders, "profile roles follow the warp layout");)
 
     if (!is_sender) {
+        if (cancelled) return;
         run_receiver(a, layout, ring, channel, slot_bytes, comm, &s_abort);
         return;
     }
@@ -330,14 +330,13 @@ cudaError_t launch_dispatch(const DispatchArgs& args, const CommContext& comm, c
     if (const cudaError_t perr = clear_profile(comm, prof::kDispatch, stream); perr != cudaSuccess) return perr;
 #endif
     const int slot_bytes = dispatch_slot_bytes(args.row_bytes, args.num_scales, args.num_topk);
-    const int stages = max_pipeline_stages(slot_bytes, kChannelsPerBlock);
-    if (stages == 0 || args.num_channels % kChannelsPerBlock != 0) return cudaErrorInvalidValue;
-    const size_t smem = kChannelsPerBlock * stage_ring_smem_bytes(stages, slot_bytes);
+    const int stages = max_pipeline_stages(slot_bytes, kDispatchPipelinesPerBlock);
+    if (stages == 0) return cudaErrorInvalidValue;
+    const size_t smem = kDispatchPipelinesPerBlock * stage_ring_smem_bytes(stages, slot_bytes);
     cudaError_t err = cudaFuncSetAttribute(dispatch_kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
                                            static_cast<int>(smem));
     if (err != cudaSuccess) return err;
-    dispatch_kernel<<<2 * args.num_channels / kChannelsPerBlock, kDispatchThreads, smem, stream>>>(args, comm, stages,
-                                                                                                   slot_bytes);
+    dispatch_kernel<<<args.num_channels, kDispatchThreads, smem, stream>>>(args, comm, stages, slot_bytes);
     return cudaGetLastError();
 }
 

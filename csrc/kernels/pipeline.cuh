@@ -132,9 +132,7 @@ struct StorerParams {
 template <typename LocalSink>
 MOE_EP_DEVICE void run_storer(const StageRing& ring, const StorerParams& p, const CommContext& comm,
                               const LocalSink& local, volatile int* abort) {
-    // pos after stage seq, by seq % (lag + 1), per pipeline of the block
-    __shared__ int s_pos_after_all[kChannelsPerBlock][kMaxBulkLag + 1][kMaxRanks];
-    auto& s_pos_after = s_pos_after_all[threadIdx.x / (blockDim.x / kChannelsPerBlock)];
+    __shared__ int s_pos_after[kMaxBulkLag + 1][kMaxRanks];  // pos after stage seq, by seq % (lag + 1)
     const int lane = threadIdx.x & 31;
     const int me = comm.rank;
     const int lag_read = read_lag(ring.num_stages, comm.pipeline_lag);

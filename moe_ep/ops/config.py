@@ -8,7 +8,7 @@ NUM_MAX_TOPK = 32
 FP8_BLOCK = 128
 BUFFER_ALIGNMENT = 128
 CHANNELS_PER_SM_PAIR = 2
-"""Channels per (sending SM, receiving SM) pair; `kChannelsPerBlock` in `csrc/kernels/api.cuh`."""
+"""Channels per pair of SMs, one SM each; `kChannelsPerSmPair` in `csrc/kernels/api.cuh`."""
 # Per-token metadata carried next to the hidden bytes: source index, top-k ids and weights.
 _TOKEN_META_BYTES = 4 + NUM_MAX_TOPK * (8 + 4)
 
@@ -22,8 +22,8 @@ class Config:
     """Normal-mode tuning: SMs used and the chunk sizes of each channel's ring buffers.
 
     Positional order matches DeepEP's `Config(num_sms, nvl_send, nvl_recv, rdma_send, rdma_recv)`.
-    SMs work in pairs (one sending, one receiving), so `num_sms` must be even; each pair serves
-    `CHANNELS_PER_SM_PAIR` channels (contiguous token ranges), each with its own ring per rank pair.
+    `num_sms` must be even (as in DeepEP); every pair of SMs serves `CHANNELS_PER_SM_PAIR` channels
+    (contiguous token ranges), each with its own ring per rank pair.
     """
 
     num_sms: int = 20
@@ -49,7 +49,7 @@ class Config:
     @property
     def num_channels(self) -> int:
         """Channels (contiguous token ranges) the work is split into: `CHANNELS_PER_SM_PAIR` per SM pair
-        (the CUDA kernels run that many channel pipelines per block)."""
+        (the CUDA kernels run one block per channel)."""
         return self.num_sms // 2 * CHANNELS_PER_SM_PAIR
 
     def _token_bytes(self, hidden_bytes: int) -> int:
