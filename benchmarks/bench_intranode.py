@@ -166,7 +166,7 @@ def _profile(main: "Bench", dispatch_config: moe_ep.Config, combine_config: moe_
 
 def _sweep_configs(quick: bool) -> list[tuple[int, int, int]]:
     if quick:
-        return [(24, 8, 256), (24, 16, 512)]
+        return [(24, 8, 256), (24, 4, 256)]  # the default dispatch and combine settings at 24 SMs
     return list(itertools.product((20, 24), (4, 8, 16, 32), (256, 512)))
 
 

@@ -75,18 +75,18 @@ class Config:
 def default_dispatch_config(num_ranks: int, num_sms: int) -> Config:
     """Dispatch settings for a world size, from benchmarks/bench_intranode.py's sweep on 4 x H200.
 
-    With two channel pipelines per SM pair (session 2, `benchmarks/results/run_s2_final_intranode.json`):
-    ring counters published every 4-8 tokens gave 772-782 us at 24 SMs against 816-905 us for 16-32;
-    512 ring slots instead of 256 changed nothing measurable. Other world sizes use the same values
-    (not measured with this kernel layout).
+    Session 10 (`benchmarks/results/run_s10_6_intranode_ep4.json`, whole-call times, BF16 + FP8):
+    ring tails published every 8 tokens were best at 20 SMs (644-646 + 534-542 us) and 24 SMs
+    (702 + 490 us); every 4, 16 or 32 tokens was slower; 512 ring slots instead of 256 changed
+    little. Other world sizes use the same values (not measured).
     """
     return Config(num_sms, 8, 256, 8, 128)
 
 
 def default_combine_config(num_ranks: int, num_sms: int) -> Config:
-    """Combine settings for a world size (same sweep): publishing every 16-32 rows was best (876-939 us),
-    4-8 rows slower (905-1042 us)."""
-    return Config(num_sms, 16, 256, 8, 128)
+    """Combine settings for a world size (same sweep): publishing every 4 rows was best (611-635 us at
+    20 SMs, 642-647 us at 24), 8-32 rows slower (674-718 us and 735-768 us)."""
+    return Config(num_sms, 4, 256, 8, 128)
 
 
 def low_latency_buffer_bytes(num_max_dispatch_tokens_per_rank: int, hidden: int, num_ranks: int, num_experts: int) -> int:
