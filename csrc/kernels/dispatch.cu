@@ -1,7 +1,8 @@
 // Intranode dispatch. Block c serves channel c (a contiguous token range) with two independent
 // pipelines: its send pipeline sends the channel to every destination, its receive pipeline receives
-// it from every source, so that every SM pushes to peers. A ring slot holds one token: the hidden row, then the
-// extras [scales (G x 4 B) | source index | top-k ids (k x int32) | top-k weights (k x f32)].
+// it from every source, so that every SM pushes to peers. A ring slot (whole 128-byte lines) holds one
+// token: the hidden row, then the extras [scales (G x 4 B) | source index | top-k ids (k x int32) |
+// top-k weights (k x f32)].
 // Tokens for this rank itself skip the rings: the sender writes them straight into the outputs.
 #include <algorithm>
 

@@ -132,7 +132,8 @@ struct StorerParams {
 template <typename LocalSink>
 MOE_EP_DEVICE void run_storer(const StageRing& ring, const StorerParams& p, const CommContext& comm,
                               const LocalSink& local, volatile int* abort) {
-    __shared__ int s_pos_after[kMaxBulkLag + 1][kMaxRanks];  // pos after stage seq, by seq % (lag + 1)
+    // pos after stage seq, by seq % (lag + 1); one storer per block
+    __shared__ int s_pos_after[kMaxBulkLag + 1][kMaxRanks];
     const int lane = threadIdx.x & 31;
     const int me = comm.rank;
     const int lag_read = read_lag(ring.num_stages, comm.pipeline_lag);
