@@ -77,8 +77,8 @@ def default_dispatch_config(num_ranks: int, num_sms: int) -> Config:
 
     Session 10 (`benchmarks/results/run_s10_6_intranode_ep4.json`, whole-call times, BF16 + FP8):
     ring tails published every 8 tokens were best at 20 SMs (644-646 + 534-542 us) and 24 SMs
-    (702 + 490 us); every 4, 16 or 32 tokens was slower; 512 ring slots instead of 256 changed
-    little. Other world sizes use the same values (not measured).
+    (702 + 490 us); every 4, 16 or 32 tokens was slower; 512 ring slots instead of 256 made no
+    consistent difference. Other world sizes use the same values (not measured).
     """
     return Config(num_sms, 8, 256, 8, 128)
 
