@@ -10,8 +10,8 @@
 #     whole-program module with the relocatable one; LL_ARGS: e.g. --tokens 128 1); layer: the MoE
 #     layer benchmark (LAYER_TIMEOUT, LAYER_ARGS: e.g. --profile-experts); fp8gemm: the FP8 grouped GEMMs (CUDA and Triton) against BF16 on
 #     one GPU (FP8GEMM_TIMEOUT, FP8GEMM_ARGS: e.g. --profile);
-#     probe: benchmarks/nvlink_probe.cu (push vs pull row copies between GPUs, no torch; PROBE_ARGS:
-#     rows row_bytes gpus, default 11000 14336 2);
+#     probe: benchmarks/nvlink_probe.cu (row copies between GPUs at once: push vs pull, and the dispatch's
+#     fan-out with tail publishing; no torch; PROBE_ARGS: rows row_bytes gpus, default 11000 14336 2);
 #     examples: the DeepSeek-V3-style training on every GPU and the accelerate fine-tuning on 2 GPUs
 #     (EXAMPLES_TIMEOUT each, output in examples.log, loss curve and metrics in files.tgz).
 # Benchmarks run with MOE_EP_CHECK_VALUES=0 (no front-end value checks, as in DeepEP). At most 8 files come

@@ -20,7 +20,6 @@ default scales (no power-of-two rounding, no UE8M0).
 
 from __future__ import annotations
 
-import os
 from typing import Literal
 
 import torch
@@ -30,7 +29,6 @@ import triton.language as tl
 from ..ops.fp8 import AMAX_FLOOR, BLOCK, FP8_DTYPE, FP8_MAX
 from . import fp8_cuda
 
-_INTERPRETED = os.environ.get("TRITON_INTERPRET") == "1"
 _AMAX_FLOOR = tl.constexpr(AMAX_FLOOR)
 _FP8_MAX = tl.constexpr(FP8_MAX)
 _ROWS_PER_PROGRAM = 32
@@ -135,7 +133,7 @@ def per_token_cast_to_fp8(x: torch.Tensor) -> FP8Rows:
     if num_rows:
         _per_token_kernel[_row_grid(num_rows, depth)](
             rows, q, scales, num_rows, *rows.stride(), q.stride(0), *scales.stride(),
-            BLOCK_R=_ROWS_PER_PROGRAM, BLOCK_K=BLOCK, SNAP=_INTERPRETED, num_warps=4,
+            BLOCK_R=_ROWS_PER_PROGRAM, BLOCK_K=BLOCK, SNAP=fp8_cuda.TRITON_INTERPRETED, num_warps=4,
         )
     return q.view(x.shape), scales.unflatten(0, x.shape[:-1])
 
@@ -187,7 +185,7 @@ def per_token_cast_back(q: torch.Tensor, scales: torch.Tensor, dtype: torch.dtyp
     if rows.size(0):
         _per_token_back_kernel[_row_grid(*rows.shape)](
             rows, row_scales, out, rows.size(0), *rows.stride(), *row_scales.stride(), out.stride(0),
-            BLOCK_R=_ROWS_PER_PROGRAM, BLOCK_K=BLOCK, SNAP=_INTERPRETED, num_warps=4,
+            BLOCK_R=_ROWS_PER_PROGRAM, BLOCK_K=BLOCK, SNAP=fp8_cuda.TRITON_INTERPRETED, num_warps=4,
         )
     return out.view(q.shape)
 
@@ -214,7 +212,7 @@ def swiglu_to_fp8(z: torch.Tensor) -> FP8Rows:
     if num_rows:
         _swiglu_kernel[_row_grid(num_rows, width)](
             z, q, scales, num_rows, width, z.stride(0), q.stride(0), *scales.stride(),
-            BLOCK_R=_ROWS_PER_PROGRAM, BLOCK_K=BLOCK, SNAP=_INTERPRETED, num_warps=4,
+            BLOCK_R=_ROWS_PER_PROGRAM, BLOCK_K=BLOCK, SNAP=fp8_cuda.TRITON_INTERPRETED, num_warps=4,
         )
     return q, scales
 
@@ -258,7 +256,7 @@ def swiglu_backward_to_fp8(z: torch.Tensor, grad: torch.Tensor) -> tuple[torch.T
         _swiglu_backward_kernel[_row_grid(num_rows, width)](
             z, grad, grad_z, q, scales, num_rows, width,
             z.stride(0), grad.stride(0), grad_z.stride(0), q.stride(0), *scales.stride(),
-            BLOCK_R=_ROWS_PER_PROGRAM, BLOCK_K=BLOCK, SNAP=_INTERPRETED, num_warps=4,
+            BLOCK_R=_ROWS_PER_PROGRAM, BLOCK_K=BLOCK, SNAP=fp8_cuda.TRITON_INTERPRETED, num_warps=4,
         )
     return grad_z, (q, scales)
 
@@ -328,11 +326,11 @@ def per_block_cast_to_fp8_with_transpose(w: torch.Tensor, *, backend: Literal["a
     scales = torch.empty(matrices.size(0), blocks_n, blocks_k, dtype=torch.float32, device=w.device)
     # The in-kernel transposed store was bitwise right on H200 for bfloat16 weights but wrong for
     # float32 ones (Triton 3.6, session 2 GPU run): other dtypes transpose with torch.
-    fused_transpose = w.dtype == torch.bfloat16 or _INTERPRETED
+    fused_transpose = w.dtype == torch.bfloat16 or fp8_cuda.TRITON_INTERPRETED
     if scales.numel():
         _per_block_kernel[(scales.numel(),)](
             matrices, q, q_t, scales, n, k, blocks_n, blocks_k, *matrices.stride(),
-            BLOCK_C=BLOCK, SNAP=_INTERPRETED, WRITE_T=fused_transpose, num_warps=8,
+            BLOCK_C=BLOCK, SNAP=fp8_cuda.TRITON_INTERPRETED, WRITE_T=fused_transpose, num_warps=8,
         )
         if not fused_transpose:
             q_t.copy_(q.transpose(-2, -1))

@@ -11,7 +11,8 @@ from typing import Optional
 
 import torch
 
-_INTERPRETED = os.environ.get("TRITON_INTERPRET") == "1"
+TRITON_INTERPRETED = os.environ.get("TRITON_INTERPRET") == "1"
+"""Whether Triton runs in its interpreter (`TRITON_INTERPRET=1`, CPU): no compiled kernel is used then."""
 
 
 @cache
@@ -26,7 +27,7 @@ def fp8_extension() -> Optional[ModuleType]:
 
 def runs_on(t: torch.Tensor) -> bool:
     """Whether the kernels can take `t`'s device (an sm_90 GPU, outside Triton's interpreter)."""
-    return (t.is_cuda and not _INTERPRETED and torch.cuda.get_device_capability(t.device) == (9, 0)
+    return (t.is_cuda and not TRITON_INTERPRETED and torch.cuda.get_device_capability(t.device) == (9, 0)
             and fp8_extension() is not None)
 
 

@@ -28,7 +28,6 @@ scales are `W`'s transposed.
 
 from __future__ import annotations
 
-import os
 from typing import Literal, Optional
 
 import torch
@@ -38,7 +37,6 @@ import triton.language as tl
 from ..ops.fp8 import BLOCK, FP8_DTYPE
 from . import fp8_cuda
 
-_INTERPRETED = os.environ.get("TRITON_INTERPRET") == "1"
 
 
 def _configs() -> list[triton.Config]:
@@ -53,7 +51,7 @@ def _configs() -> list[triton.Config]:
     per SM, which overlap one's promotion arithmetic with the other's tensor-core work. Shared
     memory per stage is (BLOCK_M + SPLIT_N * BLOCK_N) * 128 bytes of 227 KB.
     """
-    if _INTERPRETED:
+    if fp8_cuda.TRITON_INTERPRETED:
         return [triton.Config({"BLOCK_M": 32, "BLOCK_N": 64, "SPLIT_N": 1}, num_warps=4, num_stages=1)]
     tiles = [  # (BLOCK_M, BLOCK_N, SPLIT_N, num_warps, num_stages)
         (128, 128, 2, 8, 3), (128, 128, 2, 8, 4),
