@@ -56,7 +56,7 @@ void check_ring_space(const NvlRuntime& rt, int num_channels, int ring_slots, in
                       " bytes of NVLink buffer for ", num_channels, " channels x ", rt.num_ranks(), " ranks x ",
                       ring_slots, " slots x ", slot_bytes, " bytes, the Buffer has ", rt.data_bytes(),
                       " (size it with Config.get_nvl_buffer_size_hint)");
-    TORCH_CHECK_VALUE(kernels::max_pipeline_stages(slot_bytes, kernels::kDispatchPipelinesPerBlock) > 0, "x: a row of ", slot_bytes,
+    TORCH_CHECK_VALUE(kernels::max_pipeline_stages(slot_bytes, 1) > 0, "x: a row of ", slot_bytes,
                       " bytes (with metadata) is too large for the CUDA backend's shared-memory stages");
 }
 
@@ -77,11 +77,11 @@ py::dict last_profile(const NvlRuntime& rt) {
     const std::vector<int64_t> values = rt.read_profile();
     py::list fields;
     for (const char* name : {"start", "first", "end", "wait_stage", "wait_remote", "copy", "copy_wait", "publish",
-                             "items", "wait_events", "writers", "meta"})
+                             "items", "wait_events", "writers", "meta", "sm"})
         fields.append(name);
     py::list dispatch_roles, combine_roles;
     for (int w = 0; w < prof::kDispatchLoaders; ++w) dispatch_roles.append("send_loader" + std::to_string(w));
-    for (const char* name : {"send_storer", "send_head", "recv_loader", "recv_storer"}) dispatch_roles.append(name);
+    for (const char* name : {"send_storer", "send_head", "recv_copy"}) dispatch_roles.append(name);
     for (int d = 0; d < kernels::kMaxRanks; ++d) combine_roles.append("send_to_rank" + std::to_string(d));
     combine_roles.append("reducer");
     py::dict out;

@@ -23,11 +23,10 @@ constexpr int kMaxTopk = 32;
 constexpr int kMaxLocalExperts = 256;
 constexpr int kMaxStages = 32;
 // Normal-mode channels per pair of SMs: `Config.num_sms` SMs give num_sms / 2 * this channels, one block
-// per channel. A dispatch block runs its channel's send pipeline and receive pipeline side by side (one
+// per channel. A dispatch block runs its channel's send pipeline and its receiver warps side by side (one
 // pipeline's per-token chain of latencies cannot keep an SM busy); a combine block its channel's
 // senders and reducers.
 constexpr int kChannelsPerSmPair = 2;
-constexpr int kDispatchPipelinesPerBlock = 2;
 
 // Control area at the end of every rank's NVLink buffer, in ints. Peers write barrier signals, ring
 // tails/heads and notify slots into it; the owner clears tails/heads between barriers.
@@ -114,14 +113,14 @@ enum Field : int {
     kWaitEvents = 9,  // remote waits that did not succeed at the first poll
     kWriters = 10,    // warps that wrote this record
     kMeta = 11,       // routing metadata loads (combine reducer: is_token_in_rank, send_head)
-    kFields = 12,
+    kSm = 12,         // the SM the writing warp ran on (fields before it accumulate)
+    kFields = 13,
 };
-// Dispatch roles: sender loader warps, sender storer, send_head writer, receiver loader and storer.
+// Dispatch roles: sender loader warps, sender storer, send_head writer, the receiver warps (one record).
 constexpr int kDispatchLoaders = 4;
 constexpr int kDispatchSendStorer = kDispatchLoaders;
 constexpr int kDispatchSendHead = kDispatchLoaders + 1;
-constexpr int kDispatchRecvLoader = kDispatchLoaders + 2;
-constexpr int kDispatchRecvStorer = kDispatchLoaders + 3;
+constexpr int kDispatchRecvCopy = kDispatchLoaders + 2;
 // Combine roles: sender warp for destination d is role d; the reducer warps share one record.
 constexpr int kCombineReducer = kMaxRanks;
 constexpr int kRecordInt64s = kRoles * kFields;

@@ -51,6 +51,11 @@ MOE_EP_DEVICE void st_relaxed_sys(int* ptr, int v) {
     asm volatile("st.relaxed.sys.global.s32 [%0], %1;" ::"l"(ptr), "r"(v) : "memory");
 }
 
+// Raises a peer's counter to at least v: writers that race cannot move it backwards.
+MOE_EP_DEVICE void red_max_relaxed_sys(int* ptr, int v) {
+    asm volatile("red.relaxed.sys.global.max.s32 [%0], %1;" ::"l"(ptr), "r"(v) : "memory");
+}
+
 MOE_EP_DEVICE void red_add_release_sys(int* ptr, int v) {
     asm volatile("red.release.sys.global.add.s32 [%0], %1;" ::"l"(ptr), "r"(v) : "memory");
 }
@@ -192,7 +197,7 @@ struct ProfRole {
     // maximum over the lanes (the warp was held while any lane worked), wait events the sum.
     MOE_EP_DEVICE void reduce_lanes() {
 #pragma unroll
-        for (int f = prof::kWaitStage; f < prof::kFields; ++f) {
+        for (int f = prof::kWaitStage; f < prof::kSm; ++f) {
             acc[f] = f == prof::kWaitEvents ? __reduce_add_sync(kFullMask, acc[f]) : __reduce_max_sync(kFullMask, acc[f]);
         }
         uint64_t f0 = first == 0 ? ~0ull : first;
@@ -215,16 +220,19 @@ struct ProfRole {
         if (timestamps) {
             rec[prof::kStart] = static_cast<int64_t>(start);
             rec[prof::kFirst] = static_cast<int64_t>(first);
+            uint32_t sm;
+            asm volatile("mov.u32 %0, %%smid;" : "=r"(sm));
+            rec[prof::kSm] = sm;
         }
         if (shared) {
             atomicMax(reinterpret_cast<unsigned long long*>(rec + prof::kEnd), static_cast<unsigned long long>(end));
-            for (int f = prof::kWaitStage; f < prof::kFields; ++f)
+            for (int f = prof::kWaitStage; f < prof::kSm; ++f)
                 if (f != prof::kWriters)
                     atomicAdd(reinterpret_cast<unsigned long long*>(rec + f), static_cast<unsigned long long>(acc[f]));
             atomicAdd(reinterpret_cast<unsigned long long*>(rec + prof::kWriters), 1ull);
         } else {
             rec[prof::kEnd] = static_cast<int64_t>(end);
-            for (int f = prof::kWaitStage; f < prof::kFields; ++f) rec[f] = static_cast<int64_t>(acc[f]);
+            for (int f = prof::kWaitStage; f < prof::kSm; ++f) rec[f] = static_cast<int64_t>(acc[f]);
             rec[prof::kWriters] = 1;
         }
     }

@@ -1,9 +1,10 @@
-// Intranode dispatch. Block c serves channel c (a contiguous token range) with two independent
-// pipelines: its send pipeline sends the channel to every destination, its receive pipeline receives
-// it from every source, so that every SM pushes to peers. A ring slot (whole 128-byte lines) holds one
-// token: the hidden row, then the extras [scales (G x 4 B) | source index | top-k ids (k x int32) |
-// top-k weights (k x f32)].
-// Tokens for this rank itself skip the rings: the sender writes them straight into the outputs.
+// Intranode dispatch. Block c serves channel c (a contiguous token range) twice over: its send pipeline
+// sends the channel to every destination with bulk copies, its receiver warps copy what every source
+// sent into the outputs with loads and stores (so that the SM's bulk-copy unit serves the sends
+// alone), and every SM pushes to peers. A ring slot (whole 128-byte lines) holds one token: the hidden
+// row, then the extras [scales (G x 4 B) | source index | top-k ids (k x int32) | top-k weights
+// (k x f32)]. Tokens for this rank itself skip the rings: the sender writes them straight into the
+// outputs.
 #include <algorithm>
 
 #include "pipeline.cuh"
@@ -12,11 +13,17 @@ namespace moe_ep::kernels {
 
 namespace {
 
-// Per pipeline. Sender: warps [0, kLoaderWarps) load, the next one stores, the next one writes
-// send_head. Receiver: warp 0 loads, warp 1 stores.
+// Sender: warps [0, kLoaderWarps) load, the next one stores, the next one writes send_head; then the
+// receiver's kRecvWarps copy warps.
 constexpr int kLoaderWarps = 4;
-constexpr int kPipelineThreads = 32 * (kLoaderWarps + 2);
-constexpr int kDispatchThreads = kPipelineThreads * kDispatchPipelinesPerBlock;
+constexpr int kSendWarps = kLoaderWarps + 2;
+constexpr int kSendThreads = 32 * kSendWarps;
+constexpr int kRecvWarps = 8;
+constexpr int kDispatchThreads = kSendThreads + 32 * kRecvWarps;
+// The storer publishes every destination's tail at once for slots up to this size: at hidden 7168
+// that took the FP8 dispatch (7,552-byte slots) from 374-386 us to 325 us, and cost the BF16 one
+// (14,464-byte slots) 25 us (docs/perf-notes-intranode.md, variant 25).
+constexpr int kPublishTogetherMaxSlotBytes = 8192;
 
 struct SlotLayout {
     int row_bytes, num_scales, num_topk;
@@ -40,24 +47,31 @@ MOE_EP_DEVICE const int* recv_total(const int* rank_prefix_matrix, const CommCon
 }
 
 // Writes one received token's extras into the outputs (lane-parallel), mapping expert ids to local ids.
-MOE_EP_DEVICE void write_recv_extras(const DispatchArgs& a, const SlotLayout& layout, const uint8_t* slot, int row,
+// `word(i)` reads the i-th 4-byte word of the slot.
+template <typename Word>
+MOE_EP_DEVICE void write_recv_extras(const DispatchArgs& a, const SlotLayout& layout, const Word& word, int row,
                                      int rank, int lane) {
-    const uint32_t* words = reinterpret_cast<const uint32_t*>(slot);
     if (a.recv_x_scales != nullptr)
         for (int g = lane; g < a.num_scales; g += 32)
-            a.recv_x_scales[static_cast<size_t>(row) * a.num_scales + g] = words[layout.scales() + g];
-    if (a.recv_src_idx != nullptr && lane == 0) a.recv_src_idx[row] = static_cast<int>(words[layout.src()]);
+            a.recv_x_scales[static_cast<size_t>(row) * a.num_scales + g] = word(layout.scales() + g);
+    if (a.recv_src_idx != nullptr && lane == 0) a.recv_src_idx[row] = static_cast<int>(word(layout.src()));
     if (a.recv_topk_idx != nullptr && lane < a.num_topk) {
-        const int expert = static_cast<int>(words[layout.topk() + lane]);
+        const int expert = static_cast<int>(word(layout.topk() + lane));
         const int first = rank * a.num_local_experts;
         const bool local = expert >= first && expert < first + a.num_local_experts;
         a.recv_topk_idx[static_cast<size_t>(row) * a.num_topk + lane] = local ? expert - first : -1;
         if (a.recv_topk_weights != nullptr) {
-            const float w = __uint_as_float(words[layout.weights() + lane]);
+            const float w = __uint_as_float(word(layout.weights() + lane));
             a.recv_topk_weights[static_cast<size_t>(row) * a.num_topk + lane] = local ? w : 0.0f;
         }
     }
 }
+
+// Reads the words of a slot staged in shared memory.
+struct StagedWords {
+    const uint32_t* words;
+    MOE_EP_DEVICE uint32_t operator()(int i) const { return words[i]; }
+};
 
 // Tokens this rank keeps: written straight into its own outputs by the storer warp.
 struct SelfSink {
@@ -70,7 +84,7 @@ struct SelfSink {
                    a->row_bytes);
     }
     MOE_EP_DEVICE void extras(const uint8_t* stage, int, int pos, int lane) const {
-        write_recv_extras(*a, layout, stage, base_row + pos, rank, lane);
+        write_recv_extras(*a, layout, StagedWords{reinterpret_cast<const uint32_t*>(stage)}, base_row + pos, rank, lane);
     }
 };
 
@@ -143,137 +157,127 @@ MOE_EP_DEVICE void write_send_head(const DispatchArgs& a, int channel, int begin
                 timing.store(comm, prof::kDispatch, channel, prof::kDispatchSendHead);)
 }
 
-MOE_EP_DEVICE void run_receiver(const DispatchArgs& a, const SlotLayout& layout, const StageRing& ring, int channel,
-                                int slot_bytes, const CommContext& comm, volatile int* abort) {
-    const int warp = (threadIdx.x % kPipelineThreads) / 32, lane = threadIdx.x & 31;
+constexpr int kCopyUnroll = 16;  // 16-byte units in flight per lane of a receiver warp
+
+// Reads the words of a ring slot a peer wrote (through L2: an earlier lap may sit in L1).
+struct RingWords {
+    const uint32_t* words;
+    MOE_EP_DEVICE uint32_t operator()(int i) const { return __ldcg(words + i); }
+};
+
+MOE_EP_DEVICE void copy_row(const uint8_t* src, uint8_t* dst, int row_bytes, int lane) {
+    const int units = row_bytes / 16;
+    const int4* s = reinterpret_cast<const int4*>(src);
+    int4* d = reinterpret_cast<int4*>(dst);
+    for (int base = 0; base < units; base += 32 * kCopyUnroll) {
+        int4 v[kCopyUnroll];
+#pragma unroll
+        for (int i = 0; i < kCopyUnroll; ++i)
+            if (base + 32 * i + lane < units) v[i] = __ldcg(s + base + 32 * i + lane);
+#pragma unroll
+        for (int i = 0; i < kCopyUnroll; ++i)
+            if (base + 32 * i + lane < units) d[base + 32 * i + lane] = v[i];
+    }
+}
+
+// Copy warp `warp` of kRecvWarps takes rows warp, warp + kRecvWarps, ... of every source's ring for
+// this channel, whichever source has one announced. A ring slot is free once every warp has moved
+// past it: lane s publishes head s as the minimum over the warps' next rows of source s.
+MOE_EP_DEVICE void run_receiver(const DispatchArgs& a, const SlotLayout& layout, int channel, int slot_bytes, int warp,
+                                const CommContext& comm, volatile int* abort) {
+    __shared__ int s_next[kRecvWarps][kMaxRanks];  // per warp and source: the next row it has not copied
+    __shared__ int s_published[kMaxRanks];
+    const int lane = threadIdx.x & 31;
     const int R = comm.num_ranks, C = a.num_channels, me = comm.rank;
-    // Lane s tracks source s: rows [start, start + count) of recv_x come from its ring.
+    const bool source_lane = lane < R && lane != me;
     int start = 0, count = 0;
-    if (lane < R && lane != me) {
+    if (source_lane) {
         start = a.recv_channel_prefix_matrix[lane * C + channel];
         const int end = channel + 1 < C ? a.recv_channel_prefix_matrix[lane * C + channel + 1]
                                         : a.rank_prefix_matrix[lane * R + me];
         count = end - start;
     }
-    const int total = warp_sum(count);
-    int* stage_row = ring.token;  // the receiver keeps the output row in the token field
-    if (warp == 0) {
-        // Loader: poll the tails and bulk-load every announced slot into a stage.
-        const int* tail_ptr = comm.peers.ctrl[me] + ctrl::kTail + channel * kMaxRanks + lane;
-        const uint8_t* my_ring = comm.peers.data[me] + ring_offset(channel, lane < R ? lane : 0, R, a.ring_slots,
-                                                                   slot_bytes);
-        int loaded = 0;
-        uint64_t deadline = global_timer_ns() + comm.timeout_ns;
-        MOE_EP_PROF(ProfRole timing; timing.begin(); uint64_t t_prof = timing.start; int t_poll = 0;
-                    struct Store {
-                        ProfRole& p; const CommContext& c; int ch;
-                        MOE_EP_DEVICE ~Store() { p.store(c, prof::kDispatch, ch, prof::kDispatchRecvLoader); }
-                    } prof_store{timing, comm, channel};)
-        for (int seq = 0; seq < total;) {
-            MOE_EP_PROF(if (t_poll == 0) t_prof = timing.add(prof::kCopy, t_prof);)  // not inside a failed-poll streak
-            int ready = 0;
-            if (loaded < count) ready = min(ld_acquire_sys(tail_ptr), count) - loaded;
-            __syncwarp();
-            if (__ballot_sync(kFullMask, ready > 0) == 0) {
-                MOE_EP_PROF(t_poll = 1;)
-                if (*abort) return;
-                if (global_timer_ns() > deadline) {
-                    report_error(comm.flags, kErrRecvTimeout);
-                    *abort = 1;
-                    return;
-                }
-                continue;
-            }
-            MOE_EP_PROF(if (t_poll != 0) timing.count(prof::kWaitEvents);  // polling (failed or not) is remote wait
-                        t_poll = 0; t_prof = timing.add(prof::kWaitRemote, t_prof); timing.mark_first();)
-            deadline = global_timer_ns() + comm.timeout_ns;
-            if (lane == 0) fence_proxy_async_global();  // the tails acquired above cover the bulk loads below
-            for (int s = 0; s < R; ++s) {
-                const int n = __shfl_sync(kFullMask, ready, s);
-                const int first = __shfl_sync(kFullMask, loaded, s);
-                const int row0 = __shfl_sync(kFullMask, start, s);
-                const uint8_t* src_ring = reinterpret_cast<const uint8_t*>(
-                    __shfl_sync(kFullMask, reinterpret_cast<unsigned long long>(my_ring), s));
-                for (int i = 0; i < n; ++i, ++seq) {
-                    MOE_EP_PROF(t_prof = timing.add(prof::kCopy, t_prof);)
-                    if (!acquire_stage(ring, seq, comm, abort)) return;
-                    MOE_EP_PROF(t_prof = timing.add(prof::kWaitStage, t_prof); timing.count(prof::kItems);)
-                    if (lane == 0) {
-                        const int st = seq % ring.num_stages;
-                        stage_row[st] = row0 + first + i;
-                        ring.mask[st] = s;
-                        mbar_arrive_expect_tx(ring.full + st, slot_bytes);
-                        bulk_load(ring.stage(st), src_ring + static_cast<size_t>((first + i) % a.ring_slots) * slot_bytes,
-                                  slot_bytes, ring.full + st);
-                    }
-                    __syncwarp();
-                }
-            }
-            loaded += ready;
-        }
-    } else if (warp == 1) {
-        // Storer: stage -> recv_x row (bulk) and extras (lanes); frees ring slots by publishing heads.
-        const int lag_read = read_lag(ring.num_stages, comm.pipeline_lag);
-        int done = 0, published = 0;
-        int* head_ptr = lane < R ? comm.peers.ctrl[lane] + ctrl::kHead + channel * kMaxRanks + me : nullptr;
-        MOE_EP_PROF(ProfRole timing; timing.begin(); uint64_t t_prof;)
-        for (int seq = 0; seq < total; ++seq) {
-            const int st = seq % ring.num_stages;
-            MOE_EP_PROF(t_prof = global_timer_ns();)
-            if (!__all_sync(kFullMask, mbar_wait(ring.full + st, (seq / ring.num_stages) & 1, comm, abort))) break;
-            MOE_EP_PROF(t_prof = timing.add(prof::kWaitStage, t_prof); timing.mark_first(); timing.count(prof::kItems);)
-            const int row = stage_row[st];
-            const int src = static_cast<int>(ring.mask[st]);
-            const uint8_t* stage = ring.stage(st);
-            if (lane == 0) {
-                bulk_store(static_cast<uint8_t*>(a.recv_x) + static_cast<size_t>(row) * a.row_bytes, stage, a.row_bytes);
-                bulk_commit();
-            }
-            write_recv_extras(a, layout, stage, row, me, lane);
-            MOE_EP_PROF(t_prof = timing.add(prof::kCopy, t_prof);)
-            if (lane == src) {
-                ++done;
-                if (done - published >= a.publish_every || done == count) {
-                    // The slot's bulk load completed (its full barrier fired), so the slot is free: a
-                    // relaxed store suffices, where a release would also wait for our output stores.
-                    st_relaxed_sys(head_ptr, done);
-                    published = done;
-                }
-            }
-            MOE_EP_PROF(__syncwarp(); t_prof = timing.add(prof::kPublish, t_prof);)
-            if (lane == 0) bulk_wait_dyn<true>(lag_read);
-            __syncwarp();
-            MOE_EP_PROF(timing.add(prof::kCopyWait, t_prof);)
-            if (lane == 0 && seq >= lag_read) mbar_arrive(ring.empty + (seq - lag_read) % ring.num_stages);
-        }
-        MOE_EP_PROF(t_prof = global_timer_ns();)
-        if (lane == 0) bulk_wait<0>();
-        MOE_EP_PROF(__syncwarp(); timing.add(prof::kCopyWait, t_prof);
-                    timing.store(comm, prof::kDispatch, channel, prof::kDispatchRecvStorer);)
+    const int* tail_ptr = comm.peers.ctrl[me] + ctrl::kTail + channel * kMaxRanks + lane;
+    int* head_ptr = source_lane ? comm.peers.ctrl[lane] + ctrl::kHead + channel * kMaxRanks + me : nullptr;
+    const uint8_t* my_ring = comm.peers.data[me] + ring_offset(channel, lane < R ? lane : 0, R, a.ring_slots, slot_bytes);
+    volatile int* next_of = &s_next[0][0];
+    volatile int* published = s_published;
+    int next = warp, tail_seen = 0;
+    if (lane < kMaxRanks) {
+        next_of[warp * kMaxRanks + lane] = next;
+        if (warp == 0) published[lane] = 0;
     }
+    asm volatile("bar.sync 2, %0;" ::"r"(32 * kRecvWarps));
+    MOE_EP_PROF(ProfRole timing; timing.begin(); uint64_t t_prof = timing.start; bool idle = false;)
+    uint64_t deadline = global_timer_ns() + comm.timeout_ns;
+    for (;;) {
+        const bool pending = source_lane && next < count;
+        if (__ballot_sync(kFullMask, pending) == 0) break;
+        if (pending && next >= tail_seen) tail_seen = ld_acquire_sys(tail_ptr);
+        const uint32_t ready = __ballot_sync(kFullMask, pending && next < tail_seen);
+        if (ready == 0) {
+            MOE_EP_PROF(if (!idle) t_prof = timing.add(prof::kCopy, t_prof); idle = true;)
+            if (*abort) return;
+            if (global_timer_ns() > deadline) {
+                report_error(comm.flags, kErrRecvTimeout);
+                *abort = 1;
+                return;
+            }
+        } else {
+            MOE_EP_PROF(if (idle) { t_prof = timing.add(prof::kWaitRemote, t_prof); timing.count(prof::kWaitEvents); }
+                        idle = false; timing.mark_first();)
+            deadline = global_timer_ns() + comm.timeout_ns;
+            __syncwarp();  // lane s's acquire of tail s covers every lane's reads of ring s
+            for (uint32_t todo = ready; todo != 0; todo &= todo - 1) {
+                const int s = __ffs(todo) - 1;
+                const int i = __shfl_sync(kFullMask, next, s);
+                const int row = __shfl_sync(kFullMask, start, s) + i;
+                const uint8_t* slot = reinterpret_cast<const uint8_t*>(__shfl_sync(
+                                          kFullMask, reinterpret_cast<unsigned long long>(my_ring), s)) +
+                                      static_cast<size_t>(i % a.ring_slots) * slot_bytes;
+                copy_row(slot, static_cast<uint8_t*>(a.recv_x) + static_cast<size_t>(row) * a.row_bytes, a.row_bytes,
+                         lane);
+                write_recv_extras(a, layout, RingWords{reinterpret_cast<const uint32_t*>(slot)}, row, me, lane);
+                MOE_EP_PROF(timing.count(prof::kItems);)
+            }
+            if ((ready >> lane) & 1) next += kRecvWarps;
+            __syncwarp();  // every lane's loads of the rows returned before their slots are released
+            if (lane < kMaxRanks) next_of[warp * kMaxRanks + lane] = next;
+            MOE_EP_PROF(t_prof = timing.add(prof::kCopy, t_prof);)
+        }
+        // Head of source s: rows below every warp's next row are copied. An idle warp publishes what it
+        // sees too, so that the last copy of a source is announced even if its warp missed another's.
+        if (source_lane) {
+            int head = count;
+            for (int w = 0; w < kRecvWarps; ++w) head = min(head, next_of[w * kMaxRanks + lane]);
+            const int last = published[lane];
+            if (head > last && (ready == 0 || head == count || head - last >= a.publish_every)) {
+                if (atomicMax(const_cast<int*>(published) + lane, head) < head) red_max_relaxed_sys(head_ptr, head);
+            }
+        }
+        MOE_EP_PROF(if (!idle) t_prof = timing.add(prof::kPublish, t_prof);)
+    }
+    MOE_EP_PROF(timing.store(comm, prof::kDispatch, channel, prof::kDispatchRecvCopy, true, warp == 0);)
 }
 
 __global__ void __launch_bounds__(kDispatchThreads, 1) dispatch_kernel(DispatchArgs a, CommContext comm,
                                                                        int num_stages, int slot_bytes) {
     extern __shared__ __align__(1024) uint8_t smem[];
     __shared__ volatile int s_abort;  // shared by the block's pipelines: one failure stops both
-    const int pipeline = threadIdx.x / kPipelineThreads;
     const int channel = blockIdx.x;
-    const bool is_sender = pipeline == 0;
-    const int warp = (threadIdx.x % kPipelineThreads) / 32;
+    const bool is_sender = threadIdx.x < kSendThreads;
+    const int warp = threadIdx.x / 32;
     // A cancelled dispatch still writes send_head (this rank's routing alone), so that a combine issued
     // with its handle before the error surfaces pairs up across ranks instead of waiting on garbage.
     const bool cancelled = dispatch_cancelled(comm, recv_total(a.rank_prefix_matrix, comm), a.num_recv_rows);
     const SlotLayout layout{a.row_bytes, a.num_scales, a.num_topk};
-    const StageRing ring = make_stage_ring(smem + pipeline * stage_ring_smem_bytes(num_stages, slot_bytes), num_stages,
-                                           slot_bytes, threadIdx.x % kPipelineThreads == 0);
+    const StageRing ring = make_stage_ring(smem, num_stages, slot_bytes, threadIdx.x == 0);
     if (threadIdx.x == 0) s_abort = 0;
     __syncthreads();
     MOE_EP_PROF(static_assert(kLoaderWarps == prof::kDispatchLoaders, "profile roles follow the warp layout");)
 
     if (!is_sender) {
-        if (cancelled) return;
-        run_receiver(a, layout, ring, channel, slot_bytes, comm, &s_abort);
+        if (!cancelled) run_receiver(a, layout, channel, slot_bytes, warp - kSendWarps, comm, &s_abort);
         return;
     }
     int begin, end;
@@ -286,7 +290,9 @@ __global__ void __launch_bounds__(kDispatchThreads, 1) dispatch_kernel(DispatchA
         load_tokens(a, layout, ring, channel, begin, end, warp, comm, &s_abort);
     } else {
         const SelfSink sink{&a, layout, a.recv_channel_prefix_matrix[comm.rank * a.num_channels + channel], comm.rank};
-        run_storer(ring, StorerParams{channel, a.ring_slots, slot_bytes, a.publish_every}, comm, sink, &s_abort);
+        const StorerParams params{channel, a.ring_slots, slot_bytes, a.publish_every,
+                                  slot_bytes <= kPublishTogetherMaxSlotBytes};
+        run_storer(ring, params, comm, sink, &s_abort);
     }
 }
 
@@ -331,9 +337,9 @@ cudaError_t launch_dispatch(const DispatchArgs& args, const CommContext& comm, c
     if (const cudaError_t perr = clear_profile(comm, prof::kDispatch, stream); perr != cudaSuccess) return perr;
 #endif
     const int slot_bytes = dispatch_slot_bytes(args.row_bytes, args.num_scales, args.num_topk);
-    const int stages = max_pipeline_stages(slot_bytes, kDispatchPipelinesPerBlock);
+    const int stages = max_pipeline_stages(slot_bytes, 1);
     if (stages == 0) return cudaErrorInvalidValue;
-    const size_t smem = kDispatchPipelinesPerBlock * stage_ring_smem_bytes(stages, slot_bytes);
+    const size_t smem = stage_ring_smem_bytes(stages, slot_bytes);
     cudaError_t err = cudaFuncSetAttribute(dispatch_kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
                                            static_cast<int>(smem));
     if (err != cudaSuccess) return err;

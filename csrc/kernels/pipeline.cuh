@@ -123,12 +123,17 @@ struct StorerParams {
     int ring_slots;
     int slot_bytes;
     int publish_every;
+    // Every destination's tail in the same iteration (every publish_every stages, the first time two
+    // stages in) instead of each destination's once it has publish_every new rows.
+    bool publish_together;
 };
 
-// Storer warp: lane d < R serves destination d; `local` writes the stages meant for this rank itself. Sequence of stages ends with a token < 0. Every lane
-// commits one bulk group per stage, so group counts line up with stage sequence numbers: a stage is
-// released once the group `read_lag` stages back has read it, and a tail is published for the stores
-// `done_lag` stages back once they completed.
+// Storer warp: lane d < R serves destination d; `local` writes the stages meant for this rank itself.
+// The sequence of stages ends with a token < 0. Every lane commits one bulk group per stage, so group
+// counts line up with stage sequence numbers: a stage is released once the group `read_lag` stages
+// back has read it, and a tail is published for the stores `done_lag` stages back once they completed
+// (with `publish_together`, the first one for the stores kFirstPublishLag stages back).
+constexpr int kFirstPublishLag = 2;
 template <typename LocalSink>
 MOE_EP_DEVICE void run_storer(const StageRing& ring, const StorerParams& p, const CommContext& comm,
                               const LocalSink& local, volatile int* abort) {
@@ -147,7 +152,7 @@ MOE_EP_DEVICE void run_storer(const StageRing& ring, const StorerParams& p, cons
         tail_ptr = comm.peers.ctrl[lane] + ctrl::kTail + p.channel * kMaxRanks + me;
     }
     int pos = 0, head = 0, published = 0;
-    bool ok = true;
+    bool ok = true, started = false;
     int seq = 0;
     MOE_EP_PROF(ProfRole timing; timing.begin(); uint64_t t_prof;)
     for (;; ++seq) {
@@ -184,11 +189,16 @@ MOE_EP_DEVICE void run_storer(const StageRing& ring, const StorerParams& p, cons
         __syncwarp();
         MOE_EP_PROF(t_prof = timing.add(prof::kCopyWait, t_prof);)
         if (lane == 0 && seq >= lag_read) mbar_arrive(ring.empty + (seq - lag_read) % ring.num_stages);
-        if (remote_lane && ok && seq >= lag_done) {
-            const int done = s_pos_after[(seq - lag_done) % (kMaxBulkLag + 1)][lane];
-            if (done - published >= p.publish_every) {
+        int lag = 0;  // publish the tails of the stores `lag` stages back, if due
+        if (!p.publish_together) lag = seq >= lag_done ? lag_done : 0;
+        else if (!started) lag = seq >= kFirstPublishLag ? kFirstPublishLag : 0;
+        else lag = seq >= lag_done && (seq - lag_done) % p.publish_every == 0 ? lag_done : 0;
+        if (lag > 0) {
+            started = true;
+            const int done = s_pos_after[(seq - lag) % (kMaxBulkLag + 1)][lane];
+            if (remote_lane && ok && done > published && (p.publish_together || done - published >= p.publish_every)) {
                 MOE_EP_PROF(t_prof = global_timer_ns();)
-                bulk_wait_dyn<false>(lag_done);
+                bulk_wait_dyn<false>(lag);
                 MOE_EP_PROF(t_prof = timing.add(prof::kCopyWait, t_prof);)
                 publish_tail(tail_ptr, done);
                 published = done;
