@@ -164,7 +164,9 @@ def _profile(main: "Bench", dispatch_config: moe_ep.Config, combine_config: moe_
     return out
 
 
-def _sweep_configs(quick: bool) -> list[tuple[int, int, int]]:
+def _sweep_configs(quick: bool, configs: str = "") -> list[tuple[int, int, int]]:
+    if configs:
+        return [tuple(int(v) for v in c.split(":")) for c in configs.split(",")]  # type: ignore[misc]
     if quick:
         return [(24, 8, 256), (24, 4, 256)]  # the default dispatch and combine settings at 24 SMs
     return list(itertools.product((20, 24), (4, 8, 16, 32), (256, 512)))
@@ -184,7 +186,7 @@ def _worker(rank: int, world: int, port: int, args: argparse.Namespace, results)
     report["nccl"] = main.measure_nccl()
 
     sweep = []
-    for num_sms, send_chunk, ring in _sweep_configs(args.quick):
+    for num_sms, send_chunk, ring in _sweep_configs(args.quick, args.configs):
         config = moe_ep.Config(num_sms, send_chunk, ring, 6, 128)
         started = time.time()
         result = main.measure(config, config)
@@ -303,6 +305,8 @@ def main() -> None:
     parser.add_argument("--iters", type=int, default=20)
     parser.add_argument("--token-sweep", default="128,512,1024,2048,4096,8192")
     parser.add_argument("--quick", action="store_true", help="two configs instead of the full sweep")
+    parser.add_argument("--configs", default="",
+                        help="NUM_SMS:CHUNK:RING,... measured instead of the sweep (kernels alone at the fastest)")
     parser.add_argument("--timeout", type=float, default=400)
     parser.add_argument("--profile", action="store_true",
                         help="per-phase kernel breakdown (moe_ep._C built with MOE_EP_PROFILE=1)")
