@@ -168,7 +168,7 @@ def _sweep_configs(quick: bool, configs: str = "") -> list[tuple[int, int, int]]
     if configs:
         return [tuple(int(v) for v in c.split(":")) for c in configs.split(",")]  # type: ignore[misc]
     if quick:
-        return [(24, 8, 256), (24, 4, 256)]  # the default dispatch and combine settings at 24 SMs
+        return [(24, 16, 256), (24, 4, 256)]  # the default dispatch and combine settings at 24 SMs
     return list(itertools.product((20, 24), (4, 8, 16, 32), (256, 512)))
 
 

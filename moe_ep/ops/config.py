@@ -73,14 +73,15 @@ class Config:
 
 
 def default_dispatch_config(num_ranks: int, num_sms: int) -> Config:
-    """Dispatch settings for a world size, from benchmarks/bench_intranode.py's sweep on 4 x H200.
+    """Dispatch settings for a world size, from benchmarks/bench_intranode.py on 4 x H200.
 
-    Session 10 (`benchmarks/results/run_s10_6_intranode_ep4.json`, whole-call times, BF16 + FP8):
-    ring tails published every 8 tokens were best at 20 SMs (644-646 + 534-542 us) and 24 SMs
-    (702 + 490 us); every 4, 16 or 32 tokens was slower; 512 ring slots instead of 256 made no
-    consistent difference. Other world sizes use the same values (not measured).
+    Session 11, kernels alone at 24 SMs in one call (`benchmarks/results/run_s11_7_*`): ring tails
+    published every 16 tokens took the FP8 dispatch to 311-321 us against 340 us every 8, with the
+    BF16 dispatch unchanged (573-574 against 569 us); the full sweep's whole calls agreed
+    (`run_s11_5_intranode_sweep_ep4.json`: FP8 492-496 against 521-546 us). Other world sizes use
+    the same values (not measured).
     """
-    return Config(num_sms, 8, 256, 8, 128)
+    return Config(num_sms, 16, 256, 8, 128)
 
 
 def default_combine_config(num_ranks: int, num_sms: int) -> Config:
