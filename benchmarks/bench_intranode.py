@@ -8,7 +8,7 @@ BF16 the time (median over iterations, slowest rank) and the bandwidth in two me
 NCCL all_to_all_single moving the same remote rows (BF16) is timed in the same run. A tuning sweep
 over Config values picks the defaults per world size.
 
-    python benchmarks/bench_intranode.py --out results.json [--worlds 4] [--quick] [--profile]
+    python benchmarks/bench_intranode.py --out results.json [--worlds 4] [--quick | --configs 24:16:256,...] [--profile]
 
 --profile (needs moe_ep._C built with MOE_EP_PROFILE=1) prints and stores the per-phase breakdown of one
 dispatch (BF16, FP8) and one combine at the main workload with the best configs, and skips the pipeline-lag
