@@ -139,6 +139,10 @@ def _profile_table(title: str, summary: dict) -> str:
             m, x = row[c]["mean"], row[c]["max"]
             cells.append(f"{'-':>13s}" if m is None else f"{m:6.1f}/{x:6.1f}")
         lines.append(f"{role:14s} " + " ".join(cells))
+    latest = sorted(summary.get("channels", []), key=lambda ch: -ch["end_us"])[:8]
+    if latest:
+        lines.append("latest channels (channel/SM: end us): " +
+                     ", ".join(f"{ch['channel']}/{ch['sm']}: {ch['end_us']:.1f}" for ch in latest))
     return "\n".join(lines)
 
 

@@ -36,6 +36,26 @@ def _ext():
     return importlib.import_module("moe_ep._C")
 
 
+def channel_placement(records: torch.Tensor, fields: list[str]) -> list[dict]:
+    """Per channel of one kernel's profile records ([C, roles, fields]): the SM its block ran on and
+    when its last role ended (us after the kernel's first role started); channels that did not run
+    are left out. Channels that end late on the same few SMs point at block placement, not protocol."""
+    col = {name: i for i, name in enumerate(fields)}
+    rec = records.to(torch.float64)
+    ran = rec[..., col["writers"]] > 0
+    if not bool(ran.any()):
+        return []
+    t0 = rec[..., col["start"]][ran].min()
+    out = []
+    for c in range(rec.shape[0]):
+        if not bool(ran[c].any()):
+            continue
+        roles = rec[c][ran[c]]
+        out.append({"channel": c, "sm": int(roles[0, col["sm"]]),
+                    "end_us": float((roles[:, col["end"]].max() - t0) / 1e3)})
+    return out
+
+
 def is_sm90_compiled() -> bool:
     """Whether `moe_ep._C` holds kernels compiled for Hopper (sm_90)."""
     return CudaBackend.is_available() and bool(_ext().is_sm90_compiled())
@@ -157,7 +177,8 @@ class CudaBackend(CommBackend):
         spent waiting inside the block (wait_stage), on peers (wait_remote), issuing copies (copy),
         waiting for bulk copies (copy_wait), publishing tails/heads (publish), loading routing
         metadata (meta), the rest (other), and the counts items / wait_events. Durations of a warp
-        group (the combine reducer) are per warp. `raw` keeps the records ([C, roles, fields] int64).
+        group (the combine reducer) are per warp. `channels`: each channel's SM and end
+        (`channel_placement`). `raw` keeps the records ([C, roles, fields] int64).
         """
         last_profile = getattr(_ext(), "last_profile", None)
         if last_profile is None:
@@ -177,6 +198,7 @@ class CudaBackend(CommBackend):
                 continue
             t0 = rec[..., col["start"]][ran].min()
             summary["kernel_us"] = float((rec[..., col["end"]][ran].max() - t0) / 1e3)
+            summary["channels"] = channel_placement(info["records"], fields)
             for r, role in enumerate(info["roles"]):
                 mask = ran[:, r]
                 if not bool(mask.any()):
