@@ -59,8 +59,13 @@ void NvshmemRuntime::init(const std::string& unique_id, int rank, int num_ranks)
     g_num_ranks = num_ranks;
 }
 
-NvshmemRuntime::NvshmemRuntime(int rank, int num_ranks, int64_t num_bytes, double timeout_s)
+NvshmemRuntime::NvshmemRuntime(int rank, int num_ranks, int64_t num_bytes, double timeout_s, bool puts_only)
     : rank_(rank), num_ranks_(num_ranks), num_bytes_((num_bytes + 127) / 128 * 128), timeout_s_(timeout_s) {
+#ifdef MOE_EP_LL_P2P_ONLY
+    if (puts_only)
+        throw std::invalid_argument("low-latency mode: the P2P-only module has no put path; "
+                                    "MOE_EP_LOW_LATENCY_TRANSPORT=nvshmem_puts uses moe_ep._low_latency");
+#endif
     if (g_rank != rank || g_num_ranks != num_ranks)
         throw std::runtime_error("low-latency mode: NVSHMEM is not initialised for rank " + std::to_string(rank) +
                                  " of " + std::to_string(num_ranks));
@@ -72,10 +77,11 @@ NvshmemRuntime::NvshmemRuntime(int rank, int num_ranks, int64_t num_bytes, doubl
                                  " bytes of symmetric memory (num_rdma_bytes)");
     cuda_check(cudaMemset(base_, 0, num_bytes_), "cudaMemset(symmetric buffer)");
 
-    // Peers whose buffer NVSHMEM maps into this process are written with plain stores.
+    // Peers whose buffer NVSHMEM maps into this process are written with plain stores (with
+    // `puts_only`, only this rank's own).
     std::vector<uint8_t*> peers(num_ranks);
     for (int r = 0; r < num_ranks; ++r) {
-        peers[r] = static_cast<uint8_t*>(nvshmem_ptr(base_, r));
+        peers[r] = puts_only && r != rank ? nullptr : static_cast<uint8_t*>(nvshmem_ptr(base_, r));
         all_peers_mapped_ = all_peers_mapped_ && peers[r] != nullptr;
     }
 #ifdef MOE_EP_LL_P2P_ONLY

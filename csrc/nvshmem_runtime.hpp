@@ -20,7 +20,9 @@ class NvshmemRuntime {
     static void init(const std::string& unique_id, int rank, int num_ranks);
 
     // Allocates `num_bytes` of symmetric memory (collective: every rank calls it in the same order).
-    NvshmemRuntime(int rank, int num_ranks, int64_t num_bytes, double timeout_s);
+    // `puts_only`: every other rank is reached through NVSHMEM puts, even one NVSHMEM maps (tests the
+    // path of peers without P2P on one node; not in the P2P-only module).
+    NvshmemRuntime(int rank, int num_ranks, int64_t num_bytes, double timeout_s, bool puts_only = false);
     ~NvshmemRuntime();
     NvshmemRuntime(const NvshmemRuntime&) = delete;
     NvshmemRuntime& operator=(const NvshmemRuntime&) = delete;

@@ -196,31 +196,34 @@ def test_low_latency_uses_whole_program_module_on_one_host(nccl_pool) -> None:
         assert (transport, module, mapped) == ("p2p", "moe_ep._low_latency_p2p", True)
 
 
-def _compare_cases(rank: int, world: int, cases: list[dict]) -> tuple[str, int]:
+def _compare_cases(rank: int, world: int, cases: list[dict]) -> tuple[str, bool, int]:
     from moe_ep.ops.backends import cuda_low_latency as module
 
     received = sum(_compare_case(rank, world, case) for case in cases)
-    return module._ext().__name__, received
+    return module._ext().__name__, _cuda_runtime(rank, world)._runtime.all_peers_mapped, received
 
 
 @needs_gpu
 @pytest.mark.parametrize("world", [2, 4])
-def test_low_latency_relocatable_module_matches_torch(monkeypatch, world: int) -> None:
+@pytest.mark.parametrize("transport", ["nvshmem", "nvshmem_puts"])
+def test_low_latency_relocatable_module_matches_torch(monkeypatch, transport: str, world: int) -> None:
     """MOE_EP_LOW_LATENCY_TRANSPORT=nvshmem: the relocatable module (NVSHMEM device library) gives the same
-    results on the cases that exercise BF16, FP8 with UE8M0, hooks, zero-copy, skew and an empty rank."""
+    results on the cases that exercise BF16, FP8 with UE8M0, hooks, zero-copy, skew and an empty rank;
+    =nvshmem_puts: the same with every peer reached through NVSHMEM puts (the multi-node path)."""
     if torch.cuda.device_count() < world:
         pytest.skip(f"needs {world} GPUs")
     from dist_pool import DistPool
 
-    monkeypatch.setenv("MOE_EP_LOW_LATENCY_TRANSPORT", "nvshmem")  # spawned workers inherit it
+    monkeypatch.setenv("MOE_EP_LOW_LATENCY_TRANSPORT", transport)  # spawned workers inherit it
     names = ("bf16_h128_top1", "ue8m0_h7168_top8_hook_zero_copy", "fp8_h7168_top16_skewed_empty_rank")
     pool = DistPool(world, "nccl")
     try:
         outcomes = pool.run(_compare_cases, [asdict(c) for c in CASES if c.name in names], timeout=600)
     finally:
         pool.close()
-    for module, received in outcomes:
+    for module, mapped, received in outcomes:
         assert module == "moe_ep._low_latency" and received > 0
+        assert mapped == (transport == "nvshmem")
 
 
 def test_transport_setting_is_checked(monkeypatch) -> None:

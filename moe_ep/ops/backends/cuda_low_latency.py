@@ -51,7 +51,9 @@ _MAX_IN_FLIGHT = 2  # operations sent but not yet received: one per half of the 
 _DEFAULT_TIMEOUT_S = 10.0
 # Global ranks of the group NVSHMEM joined this process with (NVSHMEM initialises once per process).
 _nvshmem_members: Optional[tuple[int, ...]] = None
-_MODULES = {"nvshmem": "moe_ep._low_latency", "p2p": "moe_ep._low_latency_p2p"}
+# Transport -> module. "nvshmem_puts": the relocatable module sending to every peer through NVSHMEM puts
+# even where NVSHMEM maps it, so that one node runs the path that peers without P2P take.
+_MODULES = {"nvshmem": "moe_ep._low_latency", "p2p": "moe_ep._low_latency_p2p", "nvshmem_puts": "moe_ep._low_latency"}
 _TRANSPORT_ENV = "MOE_EP_LOW_LATENCY_TRANSPORT"
 # The low-latency module of this process, chosen when NVSHMEM joins it (`_choose_transport`).
 _transport = "nvshmem"
@@ -80,11 +82,12 @@ def _choose_transport(group: dist.ProcessGroup, num_ranks: int, device: torch.de
 
     "p2p" (`moe_ep._low_latency_p2p`: whole-program kernels writing every peer with direct stores) when
     the group is on one host and its GPUs have peer access to each other; "nvshmem" (relocatable kernels,
-    NVSHMEM puts for peers without P2P) otherwise. `MOE_EP_LOW_LATENCY_TRANSPORT=p2p|nvshmem` overrides.
+    NVSHMEM puts for peers without P2P) otherwise. `MOE_EP_LOW_LATENCY_TRANSPORT=p2p|nvshmem|nvshmem_puts`
+    overrides.
     """
     forced = os.environ.get(_TRANSPORT_ENV, "auto")
     if forced not in ("auto", *_MODULES):
-        raise ValueError(f"{_TRANSPORT_ENV}: expected auto, p2p or nvshmem, got {forced!r}")
+        raise ValueError(f"{_TRANSPORT_ENV}: expected auto, p2p, nvshmem or nvshmem_puts, got {forced!r}")
     host = zlib.crc32(socket.gethostname().encode()).to_bytes(4, "little")
     records = all_gather_bytes(host + device.index.to_bytes(4, "little"), group, num_ranks, device)
     single_host = len({record[:4] for record in records}) == 1
@@ -151,7 +154,8 @@ class LowLatencyRuntime:
         # NVSHMEM's symmetric allocation is collective with no timeout; a rank that never creates its
         # Buffer must fail the others here, through the process group's timeout, instead.
         dist.barrier(group=group, device_ids=[self.device.index])
-        self._runtime = _ext().NvshmemRuntime(rank, num_ranks, num_rdma_bytes, timeout_s)
+        self._runtime = _ext().NvshmemRuntime(rank, num_ranks, num_rdma_bytes, timeout_s,
+                                              puts_only=_transport == "nvshmem_puts")
         self._in_flight: list[_ReceiveHook] = []  # pending receives, oldest first
         self._sizes: Optional[tuple[int, int, int]] = None
 
