@@ -7,7 +7,8 @@
 #     file costs only its own time; TESTS narrows the files, PYTEST_ARGS adds pytest options;
 #     bench: the intranode benchmark (BENCH_TIMEOUT); ll: the low-latency benchmark (LL_TIMEOUT), once per
 #     MOE_EP_LOW_LATENCY_TRANSPORT in LL_TRANSPORTS (default "auto"; "auto nvshmem" compares the
-#     whole-program module with the relocatable one; LL_ARGS: e.g. --tokens 128 1); layer: the MoE
+#     whole-program module with the relocatable one, "nvshmem_puts" times the put path of peers without
+#     P2P; LL_ARGS: e.g. --tokens 128 1); layer: the MoE
 #     layer benchmark (LAYER_TIMEOUT, LAYER_ARGS: e.g. --profile-experts); fp8gemm: the FP8 grouped GEMMs (CUDA and Triton) against BF16 on
 #     one GPU (FP8GEMM_TIMEOUT, FP8GEMM_ARGS: e.g. --profile);
 #     probe: benchmarks/nvlink_probe.cu (row copies between GPUs at once: push vs pull, and the dispatch's
