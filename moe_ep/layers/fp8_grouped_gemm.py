@@ -38,7 +38,6 @@ from ..ops.fp8 import BLOCK, FP8_DTYPE
 from . import fp8_cuda
 
 
-
 def _configs() -> list[triton.Config]:
     """Tiles for H200. The interpreter gets one small tile.
 

@@ -85,8 +85,9 @@ def default_dispatch_config(num_ranks: int, num_sms: int) -> Config:
 
 
 def default_combine_config(num_ranks: int, num_sms: int) -> Config:
-    """Combine settings for a world size (same sweep): publishing every 4 rows was best (611-635 us at
-    20 SMs, 642-647 us at 24), 8-32 rows slower (674-718 us and 735-768 us)."""
+    """Combine settings for a world size, from the session-10 sweep on 4 x H200
+    (`benchmarks/results/run_s10_6_intranode_ep4.json`, whole calls): publishing every 4 rows was best
+    (611-635 us at 20 SMs, 642-647 us at 24), 8-32 rows slower (674-718 us and 735-768 us)."""
     return Config(num_sms, 4, 256, 8, 128)
 
 

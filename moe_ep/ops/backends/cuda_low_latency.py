@@ -78,7 +78,7 @@ def low_latency_available() -> bool:
 
 
 def _choose_transport(group: dist.ProcessGroup, num_ranks: int, device: torch.device) -> tuple[bool, str]:
-    """(whether the group is on one host, the transport: "p2p" or "nvshmem").
+    """(whether the group is on one host, the transport: "p2p", "nvshmem" or, forced only, "nvshmem_puts").
 
     "p2p" (`moe_ep._low_latency_p2p`: whole-program kernels writing every peer with direct stores) when
     the group is on one host and its GPUs have peer access to each other; "nvshmem" (relocatable kernels,
