@@ -204,7 +204,7 @@ def _compare_cases(rank: int, world: int, cases: list[dict]) -> tuple[str, bool,
 
 
 @needs_gpu
-@pytest.mark.parametrize("world", [2, 4])
+@pytest.mark.parametrize("world", [2, 4, 8])
 @pytest.mark.parametrize("transport", ["nvshmem", "nvshmem_puts"])
 def test_low_latency_relocatable_module_matches_torch(monkeypatch, transport: str, world: int) -> None:
     """MOE_EP_LOW_LATENCY_TRANSPORT=nvshmem: the relocatable module (NVSHMEM device library) gives the same
@@ -273,7 +273,7 @@ def _two_micro_batches(rank: int, world: int, case: dict) -> int:
 
 
 @needs_gpu
-@pytest.mark.parametrize("world", [2, 4])
+@pytest.mark.parametrize("world", [2, 4, 8])
 def test_low_latency_cuda_two_in_flight(nccl_pool, world: int) -> None:
     case = Case("two_in_flight", hidden=7168, tokens=(48, 33, 48, 40), max_tokens=48, experts_per_rank=8)
     assert sum(nccl_pool(world).run(_two_micro_batches, asdict(case), timeout=600)) > 0
@@ -313,7 +313,7 @@ def _graph_replay(rank: int, world: int, case: dict) -> int:
 
 
 @needs_gpu
-@pytest.mark.parametrize("world", [2, 4])
+@pytest.mark.parametrize("world", [2, 4, 8])
 def test_low_latency_cuda_graph_replay(nccl_pool, world: int) -> None:
     case = Case("graph", hidden=7168, tokens=(64, 64, 64, 64), max_tokens=64, experts_per_rank=8, round_scale=True,
                 use_ue8m0=True)

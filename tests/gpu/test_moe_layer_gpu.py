@@ -61,7 +61,7 @@ def test_layer_matches_dense_reference_on_gpu(nccl_pool, world: int, case: cpu.C
     cpu.check_against_dense(got, case, world, bound(case))
 
 
-@pytest.mark.parametrize("world", [2, 4])
+@pytest.mark.parametrize("world", [2, 4, 8])
 @pytest.mark.parametrize("case", [
     cpu.Case("decode_bf16", dtype="bfloat16", hidden=512, inter=128, experts_per_rank=4, topk=4,
              tokens=(64, 1, 31, 0)),
