@@ -9,6 +9,7 @@ from __future__ import annotations
 import hashlib
 import importlib.util
 import os
+import sys
 from dataclasses import asdict, dataclass
 from typing import Optional
 
@@ -148,7 +149,7 @@ def _compare_backends(rank: int, world: int, case: dict, seed: int = 1234, async
     x, topk_idx, topk_weights, num_experts = _inputs(c, rank, world, seed + world)
     num_worst = _num_worst_tokens(c, topk_idx, num_experts, world)
     gen = torch.Generator().manual_seed(99 + rank)
-    shape = (c.tokens[rank], c.hidden)
+    shape = (topk_idx.size(0), c.hidden)  # this rank's tokens
     bias = tuple(torch.randn(shape, generator=gen).to(getattr(torch, c.dtype)).cuda() for _ in range(c.with_bias))
     bias_arg = None if not bias else (bias[0] if len(bias) == 1 else bias)
     expected = _round_trip(torch_buf, c, x, topk_idx, topk_weights, num_experts, num_worst, bias_arg, rank)
@@ -170,6 +171,9 @@ def _run_cases(rank: int, world: int, cases: list[dict]) -> dict[str, str]:
             _compare_backends(rank, world, case)
         except Exception as exc:  # report and go on with the next case
             failures[case["name"]] = f"{type(exc).__name__}: {exc}"
+            # Said at once too: a rank that failed before a collective leaves its peers waiting there,
+            # and the NCCL watchdog may end every rank before the failures travel back.
+            print(f"rank {rank}, case {case['name']}: {failures[case['name']]}", file=sys.stderr, flush=True)
     return failures
 
 
