@@ -78,10 +78,13 @@ def default_dispatch_config(num_ranks: int, num_sms: int) -> Config:
     Session 11, kernels alone at 24 SMs in one call (`benchmarks/results/run_s11_7_*`): ring tails
     published every 16 tokens took the FP8 dispatch to 311-321 us against 340 us every 8, with the
     BF16 dispatch unchanged (573-574 against 569 us); the full sweep's whole calls agreed
-    (`run_s11_5_intranode_sweep_ep4.json`: FP8 492-496 against 521-546 us). Other world sizes use
-    the same values (not measured).
+    (`run_s11_5_intranode_sweep_ep4.json`: FP8 492-496 against 521-546 us).
+
+    Session 12, 8 x H200 (`run_s12_1_intranode_ep8.json`, whole calls): at 8 ranks every 8 tokens was
+    best at 20 and 24 SMs (BF16 + FP8 2031-2067 us against 2144-2172 every 16 and 2056-2188 every 4),
+    so worlds above 4 publish every 8 (5-7 ranks not measured).
     """
-    return Config(num_sms, 16, 256, 8, 128)
+    return Config(num_sms, 16 if num_ranks <= 4 else 8, 256, 8, 128)
 
 
 def default_combine_config(num_ranks: int, num_sms: int) -> Config:
