@@ -3,8 +3,8 @@
 # short table printed last.
 #   bash scripts/gpu_check.sh [parts] [extra intranode-benchmark args...]
 #   parts: comma list of build,test,bench,ll,layer,fp8gemm,probe,examples,decodediag (default: the first six);
-#     test: every tests/gpu file on its own (FILE_TIMEOUT seconds each, one log), so a hang in one
-#     file costs only its own time; TESTS narrows the files, PYTEST_ARGS adds pytest options;
+#     test: every tests/gpu file on its own (FILE_TIMEOUT seconds each, then SIGINT so that pytest still
+#     reports failures and durations; one log), so a hang in one file costs only its own time; TESTS narrows the files, PYTEST_ARGS adds pytest options;
 #     bench: the intranode benchmark (BENCH_TIMEOUT); ll: the low-latency benchmark (LL_TIMEOUT), once per
 #     MOE_EP_LOW_LATENCY_TRANSPORT in LL_TRANSPORTS (default "auto"; "auto nvshmem" compares the
 #     whole-program module with the relocatable one, "nvshmem_puts" times the put path of peers without
@@ -62,8 +62,9 @@ if has test; then
     for file in ${TESTS:-tests/gpu/test_*.py}; do
         start=$(date +%s)
         echo "================ $file" >> "$OUT/pytest.log"
-        timeout ${FILE_TIMEOUT:-150} $PY -m pytest "$file" -q ${PYTEST_ARGS:-} -p no:cacheprovider -rfE \
-            >> "$OUT/pytest.log" 2>&1
+        # SIGINT first: pytest then still prints its failures and the slowest tests' durations.
+        timeout -s INT -k 30 ${FILE_TIMEOUT:-150} $PY -m pytest "$file" -q ${PYTEST_ARGS:-} -p no:cacheprovider -rfE \
+            --durations=15 --durations-min=2 >> "$OUT/pytest.log" 2>&1
         rc=$?
         summary+=("$(basename "$file"): rc=$rc in $(( $(date +%s) - start )) s: $(tail -1 "$OUT/pytest.log")")
     done
