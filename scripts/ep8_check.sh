@@ -7,6 +7,8 @@
 #   bash scripts/ep8_check.sh c   # build without low latency; the CUDA-vs-torch normal-mode cases at
 #                                 # 2-4 ranks three times and at 8 ranks once (a failure in a)
 #   bash scripts/ep8_check.sh d   # build without low latency; those cases at 8 ranks
+#   bash scripts/ep8_check.sh e   # full build; the low-latency benchmark with puts only (cut in a); the
+#                                 # MoE-layer GPU tests at 8 ranks (not reached in b)
 # Everything lands in $OUT/all.tgz (gpu_check.sh's logs and JSON per part).
 set -uo pipefail
 part=${1:?usage: ep8_check.sh a|b}
@@ -40,6 +42,12 @@ case $part in
         timeout $(( 550 - SECONDS )) python3 -m pytest "$test[8]" -q -rfE -p no:cacheprovider > "$work/pytest_8.log" 2>&1
         echo "8 ranks: rc=$? $(tail -1 "$work/pytest_8.log")"
         grep -hE "^(E +(rank|Assertion)|rank [0-9]+, case)" "$work"/pytest_*.log | cut -c1-300 | head -20
+        ;;
+    e)
+        OUT=$work/e LL_TIMEOUT=60 LL_TRANSPORTS=nvshmem_puts LL_ARGS="--tokens 128 1 32 256" \
+            timeout 200 bash scripts/gpu_check.sh build,ll
+        OUT=$work/e8 TESTS=tests/gpu/test_moe_layer_gpu.py PYTEST_ARGS="-k 8]" FILE_TIMEOUT=$(( 560 - SECONDS )) \
+            bash scripts/gpu_check.sh test
         ;;
 esac
 tar czf "$OUT/all.tgz" -C "$work" .
