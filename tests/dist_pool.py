@@ -9,8 +9,11 @@ hang becomes a test failure after `timeout` seconds, and a worker that dies is r
 from __future__ import annotations
 
 import datetime
+import faulthandler
 import os
 import queue
+import signal
+import tempfile
 import time
 import traceback
 from typing import Any, Callable, Optional
@@ -23,10 +26,19 @@ from moe_ep.launch import free_port
 GLOO_TIMEOUT_S = 30
 FAILURE_GRACE_S = 15
 POLL_S = 5  # how often a waiting pool checks that its workers are alive
+STACK_WAIT_S = 1.0  # how long a hang report waits for the hung ranks to write their stacks
 
 
-def _worker(rank: int, world: int, port: int, backend: str, tasks: Any, results: Any) -> None:
+def _stack_file(pool_id: str, rank: int) -> str:
+    """Where rank `rank` of a pool writes its Python stacks when the pool finds it hung."""
+    return os.path.join(tempfile.gettempdir(), f"moe_ep_pool_{pool_id}_rank{rank}.txt")
+
+
+def _worker(rank: int, world: int, port: int, backend: str, tasks: Any, results: Any, pool_id: str) -> None:
     os.environ.setdefault("OMP_NUM_THREADS", "1")
+    # A rank that stops answering is asked for its stacks (SIGUSR1); they land in the hang report.
+    stack_file = open(_stack_file(pool_id, rank), "w")
+    faulthandler.register(signal.SIGUSR1, file=stack_file, all_threads=True)
     import torch
 
     torch.set_num_threads(1)
@@ -57,8 +69,10 @@ class DistPool:
         self.tasks = [ctx.Queue() for _ in range(world)]
         self.results = ctx.Queue()
         port = free_port()
-        self.procs = [ctx.Process(target=_worker, args=(r, world, port, backend, self.tasks[r], self.results),
-                                daemon=True)
+        self.pool_id = f"{os.getpid()}_{port}"
+        self.procs = [ctx.Process(target=_worker,
+                                  args=(r, world, port, backend, self.tasks[r], self.results, self.pool_id),
+                                  daemon=True)
                       for r in range(world)]
         for proc in self.procs:
             proc.start()
@@ -93,14 +107,33 @@ class DistPool:
         if missing:
             failures.append(f"ranks {missing} did not answer within {timeout} s (hang)" if not failures
                             else f"ranks {missing} stopped answering after the failure above")
+            failures += self._stacks(missing)
         if failures:
             raise AssertionError("\n".join(failures))
         return [outcomes[r][1] for r in range(self.world)]
+
+    def _stacks(self, ranks: list[int]) -> list[str]:
+        """The Python stacks of the ranks that still run (each writes its own on SIGUSR1)."""
+        alive = [r for r in ranks if self.procs[r].is_alive()]
+        for r in alive:
+            os.kill(self.procs[r].pid, signal.SIGUSR1)
+        time.sleep(STACK_WAIT_S if alive else 0)
+        stacks = []
+        for r in alive:
+            path = _stack_file(self.pool_id, r)
+            text = open(path).read() if os.path.exists(path) else "(it wrote none)"
+            stacks.append(f"--- rank {r}, where it waits ---\n{text}")
+        return stacks
 
     def close(self) -> None:
         for task_queue in self.tasks:
             task_queue.put(None)
         for proc in self.procs:
-            proc.join(timeout=10)
+            proc.join(timeout=1 if self.broken else 10)  # a hung rank will not take its task
             if proc.is_alive():
                 proc.kill()
+        for rank in range(self.world):
+            try:
+                os.remove(_stack_file(self.pool_id, rank))
+            except FileNotFoundError:
+                pass

@@ -1,4 +1,5 @@
-"""The test process pool itself: a worker that dies is reported at once, not after the hang timeout."""
+"""The test process pool itself: a worker that dies is reported at once, not after the hang timeout; a
+worker that hangs is reported with its Python stack."""
 
 from __future__ import annotations
 
@@ -20,6 +21,12 @@ def _identity(rank: int, world: int) -> int:
     return rank
 
 
+def _rank_one_hangs(rank: int, world: int) -> int:
+    if rank == 1:
+        time.sleep(600)  # what a rank stuck in a collective or a kernel wait looks like from the pool
+    return rank
+
+
 def test_dead_worker_is_reported_with_its_exit_code() -> None:
     pool = DistPool(2)
     try:
@@ -28,6 +35,22 @@ def test_dead_worker_is_reported_with_its_exit_code() -> None:
         with pytest.raises(AssertionError, match=r"rank 1 ---\nworker process died \(exit code 3\)"):
             pool.run(_rank_one_dies, timeout=120)
         assert time.monotonic() - started < 2 * POLL_S + FAILURE_GRACE_S
+        assert pool.broken
+    finally:
+        pool.close()
+
+
+def test_hung_worker_is_reported_with_its_stack() -> None:
+    pool = DistPool(2)
+    try:
+        assert pool.run(_identity) == [0, 1]
+        started = time.monotonic()
+        with pytest.raises(AssertionError) as failure:
+            pool.run(_rank_one_hangs, timeout=3)
+        message = str(failure.value)
+        assert "ranks [1] did not answer within 3 s (hang)" in message
+        assert "--- rank 1, where it waits ---" in message and "_rank_one_hangs" in message
+        assert time.monotonic() - started < 3 + POLL_S + 5
         assert pool.broken
     finally:
         pool.close()
