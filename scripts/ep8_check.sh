@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
-# The EP8 run of issue 7 on nvidia-h200-x8, in two device calls of under 600 s each, the second made while
-# the machine is still warm (it keeps the first call's build; it builds again otherwise):
+# The EP8 run of issue 7 on nvidia-h200-x8, one part per device call of under 600 s (b, made while the
+# machine is still warm, keeps a's build; it builds again otherwise):
 #   bash scripts/ep8_check.sh a   # build; tests/gpu's CUDA-backend and low-latency files; the intranode
 #                                 # benchmark at EP8 (full sweep) and the low-latency one (P2P and puts)
 #   bash scripts/ep8_check.sh b   # the MoE-layer benchmark at EP8; the other tests/gpu files
@@ -11,7 +11,7 @@
 #                                 # MoE-layer GPU tests at 8 ranks (not reached in b)
 # Everything lands in $OUT/all.tgz (gpu_check.sh's logs and JSON per part).
 set -uo pipefail
-part=${1:?usage: ep8_check.sh a|b}
+part=${1:?usage: ep8_check.sh a|b|c|d|e}
 work=/tmp/ep8_$part
 rm -rf "$work"
 mkdir -p "$work" "$OUT"
@@ -48,6 +48,10 @@ case $part in
             timeout 200 bash scripts/gpu_check.sh build,ll
         OUT=$work/e8 TESTS=tests/gpu/test_moe_layer_gpu.py PYTEST_ARGS="-k 8]" FILE_TIMEOUT=$(( 560 - SECONDS )) \
             bash scripts/gpu_check.sh test
+        ;;
+    *)
+        echo "usage: ep8_check.sh a|b|c|d|e" >&2
+        exit 2
         ;;
 esac
 tar czf "$OUT/all.tgz" -C "$work" .

@@ -4,7 +4,8 @@
 #   bash scripts/gpu_check.sh [parts] [extra intranode-benchmark args...]
 #   parts: comma list of build,test,bench,ll,layer,fp8gemm,probe,examples,decodediag (default: the first six);
 #     test: every tests/gpu file on its own (FILE_TIMEOUT seconds each, then SIGINT so that pytest still
-#     reports failures and durations; one log), so a hang in one file costs only its own time; TESTS narrows the files, PYTEST_ARGS adds pytest options;
+#     reports failures and durations; one log), so a hang in one file costs only its own time; TESTS
+#     narrows the files, PYTEST_ARGS adds pytest options;
 #     bench: the intranode benchmark (BENCH_TIMEOUT); ll: the low-latency benchmark (LL_TIMEOUT), once per
 #     MOE_EP_LOW_LATENCY_TRANSPORT in LL_TRANSPORTS (default "auto"; "auto nvshmem" compares the
 #     whole-program module with the relocatable one, "nvshmem_puts" times the put path of peers without
