@@ -9,9 +9,12 @@
 #   bash scripts/ep8_check.sh d   # build without low latency; those cases at 8 ranks
 #   bash scripts/ep8_check.sh e   # full build; the low-latency benchmark with puts only (cut in a); the
 #                                 # MoE-layer GPU tests at 8 ranks (not reached in b)
+#   bash scripts/ep8_check.sh f   # the whole MoE-layer GPU file (its 2-rank case after the 8-rank ones
+#                                 # ran out of time in b), with GPU use sampled every 20 s; builds if cold
+# A pool run that takes longer than MOE_EP_TEST_RUN_TIMEOUT_S (set below) fails with the ranks' stacks.
 # Everything lands in $OUT/all.tgz (gpu_check.sh's logs and JSON per part).
 set -uo pipefail
-part=${1:?usage: ep8_check.sh a|b|c|d|e}
+part=${1:?usage: ep8_check.sh a|b|c|d|e|f}
 work=/tmp/ep8_$part
 rm -rf "$work"
 mkdir -p "$work" "$OUT"
@@ -47,10 +50,21 @@ case $part in
         OUT=$work/e LL_TIMEOUT=60 LL_TRANSPORTS=nvshmem_puts LL_ARGS="--tokens 128 1 32 256" \
             timeout 200 bash scripts/gpu_check.sh build,ll
         OUT=$work/e8 TESTS=tests/gpu/test_moe_layer_gpu.py PYTEST_ARGS="-k 8]" FILE_TIMEOUT=$(( 560 - SECONDS )) \
-            bash scripts/gpu_check.sh test
+            MOE_EP_TEST_RUN_TIMEOUT_S=120 bash scripts/gpu_check.sh test
+        ;;
+    f)
+        build="" build_s=0
+        compgen -G "moe_ep/_C*.so" > /dev/null || { build="build,"; build_s=200; }
+        while sleep 20; do
+            nvidia-smi --query-gpu=index,utilization.gpu,memory.used --format=csv,noheader
+            nvidia-smi --query-compute-apps=pid,gpu_uuid,used_memory --format=csv,noheader | wc -l
+        done > "$work/gpu_use.txt" 2>&1 &
+        OUT=$work/f TESTS=tests/gpu/test_moe_layer_gpu.py FILE_TIMEOUT=$(( 560 - SECONDS - build_s )) \
+            MOE_EP_TEST_RUN_TIMEOUT_S=90 bash scripts/gpu_check.sh "${build}test"
+        kill %1
         ;;
     *)
-        echo "usage: ep8_check.sh a|b|c|d|e" >&2
+        echo "usage: ep8_check.sh a|b|c|d|e|f" >&2
         exit 2
         ;;
 esac

@@ -27,6 +27,8 @@ GLOO_TIMEOUT_S = 30
 FAILURE_GRACE_S = 15
 POLL_S = 5  # how often a waiting pool checks that its workers are alive
 STACK_WAIT_S = 1.0  # how long a hang report waits for the hung ranks to write their stacks
+# Caps every run's timeout (seconds), so that a device run hunting a hang gets its stacks early.
+RUN_TIMEOUT_CAP_ENV = "MOE_EP_TEST_RUN_TIMEOUT_S"
 
 
 def _stack_file(pool_id: str, rank: int) -> str:
@@ -80,6 +82,7 @@ class DistPool:
 
     def run(self, fn: Callable[..., Any], *args: Any, timeout: float = 240, **kwargs: Any) -> list[Any]:
         """Run `fn(rank, world, *args, **kwargs)` on every rank; raise if any rank failed or died."""
+        timeout = min(timeout, float(os.environ.get(RUN_TIMEOUT_CAP_ENV, timeout)))
         for task_queue in self.tasks:
             task_queue.put((fn, args, kwargs))
         outcomes: dict[int, tuple[bool, Any]] = {}

@@ -1,5 +1,5 @@
 """The test process pool itself: a worker that dies is reported at once, not after the hang timeout; a
-worker that hangs is reported with its Python stack."""
+worker that hangs is reported with its Python stack, after the timeout (capped from the environment)."""
 
 from __future__ import annotations
 
@@ -8,7 +8,7 @@ import time
 
 import pytest
 
-from dist_pool import FAILURE_GRACE_S, POLL_S, DistPool
+from dist_pool import FAILURE_GRACE_S, POLL_S, RUN_TIMEOUT_CAP_ENV, DistPool
 
 
 def _rank_one_dies(rank: int, world: int) -> int:
@@ -52,5 +52,17 @@ def test_hung_worker_is_reported_with_its_stack() -> None:
         assert "--- rank 1, where it waits ---" in message and "_rank_one_hangs" in message
         assert time.monotonic() - started < 3 + POLL_S + 5
         assert pool.broken
+    finally:
+        pool.close()
+
+
+def test_run_timeout_cap_from_environment(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv(RUN_TIMEOUT_CAP_ENV, "2")
+    pool = DistPool(2)
+    try:
+        started = time.monotonic()
+        with pytest.raises(AssertionError, match=r"ranks \[1\] did not answer within 2.0 s \(hang\)"):
+            pool.run(_rank_one_hangs, timeout=120)
+        assert time.monotonic() - started < 2 + POLL_S + 5
     finally:
         pool.close()
