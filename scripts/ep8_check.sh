@@ -9,8 +9,9 @@
 #   bash scripts/ep8_check.sh d   # build without low latency; those cases at 8 ranks
 #   bash scripts/ep8_check.sh e   # full build; the low-latency benchmark with puts only (cut in a); the
 #                                 # MoE-layer GPU tests at 8 ranks (not reached in b)
-#   bash scripts/ep8_check.sh f   # the whole MoE-layer GPU file (its 2-rank case after the 8-rank ones
-#                                 # ran out of time in b), with GPU use sampled every 20 s; builds if cold
+#   bash scripts/ep8_check.sh f   # the whole MoE-layer GPU file (a case after the 8-rank one hung in b and
+#                                 # e): a test still running after 60 s has the Python stacks of pytest
+#                                 # and of every pool worker dumped; GPU use sampled; builds if cold
 # A pool run that takes longer than MOE_EP_TEST_RUN_TIMEOUT_S (set below) fails with the ranks' stacks.
 # Everything lands in $OUT/all.tgz (gpu_check.sh's logs and JSON per part).
 set -uo pipefail
@@ -55,13 +56,22 @@ case $part in
     f)
         build="" build_s=0
         compgen -G "moe_ep/_C*.so" > /dev/null || { build="build,"; build_s=200; }
-        while sleep 20; do
-            nvidia-smi --query-gpu=index,utilization.gpu,memory.used --format=csv,noheader
-            nvidia-smi --query-compute-apps=pid,gpu_uuid,used_memory --format=csv,noheader | wc -l
-        done > "$work/gpu_use.txt" 2>&1 &
-        OUT=$work/f TESTS=tests/gpu/test_moe_layer_gpu.py FILE_TIMEOUT=$(( 560 - SECONDS - build_s )) \
-            MOE_EP_TEST_RUN_TIMEOUT_S=90 bash scripts/gpu_check.sh "${build}test"
-        kill %1
+        grep SigIgn /proc/self/status  # SIGINT (bit 2) ignored by inheritance would defeat gpu_check's stop
+        # Every 10 s: GPU use; once pytest's faulthandler has dumped a slow test, every pool worker's stacks.
+        (signalled=0
+         while sleep 10; do
+             echo "$SECONDS s: util $(nvidia-smi --query-gpu=utilization.gpu --format=csv,noheader,nounits | paste -sd' ')"
+             if (( !signalled )) && grep -q "^Timeout (" "$work/f/pytest.log" 2> /dev/null; then
+                 pkill -USR1 -f spawn_main && signalled=1 && echo "asked the workers for their stacks"
+             fi
+         done) > "$work/gpu_use.txt" 2>&1 &
+        sampler=$!
+        OUT=$work/f TESTS=tests/gpu/test_moe_layer_gpu.py FILE_TIMEOUT=$(( 450 - SECONDS - build_s )) \
+            MOE_EP_TEST_RUN_TIMEOUT_S=90 PYTEST_ARGS="--override-ini=faulthandler_timeout=60" \
+            bash scripts/gpu_check.sh "${build}test"
+        kill $sampler
+        cp /tmp/moe_ep_pool_*_rank*.txt "$work/" 2> /dev/null
+        tail -4 "$work/gpu_use.txt"
         ;;
     *)
         echo "usage: ep8_check.sh a|b|c|d|e|f" >&2
