@@ -12,10 +12,12 @@
 #   bash scripts/ep8_check.sh f   # the whole MoE-layer GPU file (a case after the 8-rank one hung in b and
 #                                 # e): a test still running after 60 s has the Python stacks of pytest
 #                                 # and of every pool worker dumped; GPU use sampled; builds if cold
+#   bash scripts/ep8_check.sh g   # full build; the float64 layer reference timed at 1, 4 and all threads
+#                                 # (f: every test sat in it for minutes); the MoE-layer tests at 8 ranks
 # A pool run that takes longer than MOE_EP_TEST_RUN_TIMEOUT_S (set below) fails with the ranks' stacks.
 # Everything lands in $OUT/all.tgz (gpu_check.sh's logs and JSON per part).
 set -uo pipefail
-part=${1:?usage: ep8_check.sh a|b|c|d|e|f}
+part=${1:?usage: ep8_check.sh a|b|c|d|e|f|g}
 work=/tmp/ep8_$part
 rm -rf "$work"
 mkdir -p "$work" "$OUT"
@@ -73,8 +75,24 @@ case $part in
         cp /tmp/moe_ep_pool_*_rank*.txt "$work/" 2> /dev/null
         tail -4 "$work/gpu_use.txt"
         ;;
+    g)
+        OUT=$work/g timeout 220 bash scripts/gpu_check.sh build
+        echo "nproc $(nproc), cgroup cpu.max: $(cat /sys/fs/cgroup/cpu.max 2> /dev/null)"
+        timeout 45 python3 -c "
+import sys, time, torch
+sys.path[:0] = ['tests', 'tests/gpu']
+import test_moe_layer as cpu
+from test_moe_layer_gpu import LAYER_CASES
+for n in (1, 4, torch.get_num_threads()):
+    torch.set_num_threads(n)
+    start = time.time(); cpu.dense_moe(LAYER_CASES[0], 8)
+    print(f'float64 reference, bf16 case at 8 ranks, {n} threads: {time.time() - start:.1f} s', flush=True)
+"
+        OUT=$work/g8 TESTS=tests/gpu/test_moe_layer_gpu.py PYTEST_ARGS="-k 8]" FILE_TIMEOUT=$(( 500 - SECONDS )) \
+            MOE_EP_TEST_RUN_TIMEOUT_S=120 bash scripts/gpu_check.sh test
+        ;;
     *)
-        echo "usage: ep8_check.sh a|b|c|d|e|f" >&2
+        echo "usage: ep8_check.sh a|b|c|d|e|f|g" >&2
         exit 2
         ;;
 esac
