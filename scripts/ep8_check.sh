@@ -14,10 +14,12 @@
 #                                 # and of every pool worker dumped; GPU use sampled; builds if cold
 #   bash scripts/ep8_check.sh g   # full build; the float64 layer reference timed at 1, 4 and all threads
 #                                 # (f: every test sat in it for minutes); the MoE-layer tests at 8 ranks
+#   bash scripts/ep8_check.sh h   # profiling build without low latency; the intranode benchmark's per-phase
+#                                 # breakdown at EP8 (why the combine falls behind NCCL there; notify's waits)
 # A pool run that takes longer than MOE_EP_TEST_RUN_TIMEOUT_S (set below) fails with the ranks' stacks.
 # Everything lands in $OUT/all.tgz (gpu_check.sh's logs and JSON per part).
 set -uo pipefail
-part=${1:?usage: ep8_check.sh a|b|c|d|e|f|g}
+part=${1:?usage: ep8_check.sh a|b|c|d|e|f|g|h}
 work=/tmp/ep8_$part
 rm -rf "$work"
 mkdir -p "$work" "$OUT"
@@ -91,8 +93,12 @@ for n in (1, 4, torch.get_num_threads()):
         OUT=$work/g8 TESTS=tests/gpu/test_moe_layer_gpu.py PYTEST_ARGS="-k 8]" FILE_TIMEOUT=$(( 500 - SECONDS )) \
             MOE_EP_TEST_RUN_TIMEOUT_S=120 bash scripts/gpu_check.sh test
         ;;
+    h)
+        MOE_EP_BUILD_LOW_LATENCY=0 MOE_EP_PROFILE=1 OUT=$work/h BENCH_TIMEOUT=300 timeout 560 \
+            bash scripts/gpu_check.sh build,bench --profile --quick
+        ;;
     *)
-        echo "usage: ep8_check.sh a|b|c|d|e|f|g" >&2
+        echo "usage: ep8_check.sh a|b|c|d|e|f|g|h" >&2
         exit 2
         ;;
 esac
