@@ -56,7 +56,7 @@ void check_ring_space(const NvlRuntime& rt, int num_channels, int ring_slots, in
                       " bytes of NVLink buffer for ", num_channels, " channels x ", rt.num_ranks(), " ranks x ",
                       ring_slots, " slots x ", slot_bytes, " bytes, the Buffer has ", rt.data_bytes(),
                       " (size it with Config.get_nvl_buffer_size_hint)");
-    TORCH_CHECK_VALUE(kernels::max_pipeline_stages(slot_bytes, 1) > 0, "x: a row of ", slot_bytes,
+    TORCH_CHECK_VALUE(kernels::max_pipeline_stages(slot_bytes) > 0, "x: a row of ", slot_bytes,
                       " bytes (with metadata) is too large for the CUDA backend's shared-memory stages");
 }
 

@@ -195,9 +195,8 @@ struct DispatchArgs {
 // Ring slot size in bytes for one dispatched token.
 int dispatch_slot_bytes(int row_bytes, int num_scales, int num_topk);
 int combine_slot_bytes(int row_bytes, int num_topk);
-// Stages per pipeline that fit into one block's shared memory for a slot size when `pipelines` stage
-// rings share it (0 if not even two fit).
-int max_pipeline_stages(int slot_bytes, int pipelines);
+// Stages of a block's stage ring that fit into its shared memory for a slot size (0 if not even two fit).
+int max_pipeline_stages(int slot_bytes);
 
 // Moves nothing (it still writes send_head) when the dispatch is cancelled (ctrl::kDispatchCancelled)
 // or this rank's rows (from rank_prefix_matrix) exceed num_recv_rows.

@@ -231,7 +231,7 @@ __global__ void __launch_bounds__(kCombineThreads, 1) combine_kernel(CombineArgs
 template <typename T, int kRanks>
 cudaError_t launch_for_ranks(const CombineArgs& args, const CommContext& comm, cudaStream_t stream) {
     const int slot_bytes = combine_slot_bytes(args.row_bytes, args.num_topk);
-    const int stages = max_pipeline_stages(slot_bytes, 1);
+    const int stages = max_pipeline_stages(slot_bytes);
     // At least one stage per destination; the reducers need at least one warp.
     if (stages < comm.num_ranks - 1 || comm.num_ranks > kRanks || comm.num_ranks >= kCombineWarps)
         return cudaErrorInvalidValue;

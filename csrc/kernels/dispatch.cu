@@ -321,14 +321,14 @@ int dispatch_slot_bytes(int row_bytes, int num_scales, int num_topk) {
     return align_slot(row_bytes + 4 * (num_scales + 1 + 2 * num_topk));
 }
 
-int max_pipeline_stages(int slot_bytes, int pipelines) {
+int max_pipeline_stages(int slot_bytes) {
     int device = 0, optin = 0;
     if (cudaGetDevice(&device) != cudaSuccess ||
         cudaDeviceGetAttribute(&optin, cudaDevAttrMaxSharedMemoryPerBlockOptin, device) != cudaSuccess)
         return 0;
     const int static_bytes = 2048;  // static shared memory of the kernels
-    const int per_pipeline = (optin - static_bytes) / pipelines - kStageRingHeaderBytes;
-    const int stages = std::min(kMaxStages, per_pipeline / stage_stride(slot_bytes));
+    const int ring_bytes = optin - static_bytes - kStageRingHeaderBytes;
+    const int stages = std::min(kMaxStages, ring_bytes / stage_stride(slot_bytes));
     return stages >= 2 ? stages : 0;
 }
 
@@ -337,7 +337,7 @@ cudaError_t launch_dispatch(const DispatchArgs& args, const CommContext& comm, c
     if (const cudaError_t perr = clear_profile(comm, prof::kDispatch, stream); perr != cudaSuccess) return perr;
 #endif
     const int slot_bytes = dispatch_slot_bytes(args.row_bytes, args.num_scales, args.num_topk);
-    const int stages = max_pipeline_stages(slot_bytes, 1);
+    const int stages = max_pipeline_stages(slot_bytes);
     if (stages == 0) return cudaErrorInvalidValue;
     const size_t smem = stage_ring_smem_bytes(stages, slot_bytes);
     cudaError_t err = cudaFuncSetAttribute(dispatch_kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
