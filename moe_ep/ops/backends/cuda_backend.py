@@ -36,16 +36,22 @@ def _ext():
     return importlib.import_module("moe_ep._C")
 
 
+def _ran_and_start(rec: torch.Tensor, col: dict[str, int]) -> tuple[torch.Tensor, Optional[torch.Tensor]]:
+    """Of float64 profile records [C, roles, fields]: which (channel, role) ran, and the earliest start
+    among them (None if none ran)."""
+    ran = rec[..., col["writers"]] > 0
+    return ran, rec[..., col["start"]][ran].min() if bool(ran.any()) else None
+
+
 def channel_placement(records: torch.Tensor, fields: list[str]) -> list[dict]:
     """Per channel of one kernel's profile records ([C, roles, fields]): the SM its block ran on and
     when its last role ended (us after the kernel's first role started); channels that did not run
     are left out. Channels that end late on the same few SMs point at block placement, not protocol."""
     col = {name: i for i, name in enumerate(fields)}
     rec = records.to(torch.float64)
-    ran = rec[..., col["writers"]] > 0
-    if not bool(ran.any()):
+    ran, t0 = _ran_and_start(rec, col)
+    if t0 is None:
         return []
-    t0 = rec[..., col["start"]][ran].min()
     out = []
     for c in range(rec.shape[0]):
         if not bool(ran[c].any()):
@@ -192,11 +198,10 @@ class CudaBackend(CommBackend):
             info = data[kernel]
             rec = info["records"].to(torch.float64)  # [C, roles, fields]
             summary: dict = {"num_channels": info["num_channels"], "roles": {}, "raw": info["records"].tolist()}
-            ran = rec[..., col["writers"]] > 0
-            if info["num_channels"] == 0 or not bool(ran.any()):
+            ran, t0 = _ran_and_start(rec, col)
+            if info["num_channels"] == 0 or t0 is None:
                 out[kernel] = summary
                 continue
-            t0 = rec[..., col["start"]][ran].min()
             summary["kernel_us"] = float((rec[..., col["end"]][ran].max() - t0) / 1e3)
             summary["channels"] = channel_placement(info["records"], fields)
             for r, role in enumerate(info["roles"]):
