@@ -3,10 +3,11 @@
 //
 // Work is split among warps, numbered across blocks first (warp w of block b is global warp
 // w * grid + b) so that consecutive work items land on different SMs.
-//  * Dispatch send: item e < E counts the messages for expert e and signals the count to its owner;
-//    item E + (t * R + r) casts token t once for rank r (if one of its experts lives there), writes the
-//    row to [this rank][t] on r, then signals each of t's messages for r's experts at the position of t
-//    among this rank's tokens for that expert (so rows arrive in token order).
+//  * Dispatch send: warp item e < E counts the messages for expert e and signals the count to its
+//    owner; then a team of warps per item t * R + r casts token t once for rank r (if one of its
+//    experts lives there), each warp a share of the row, writes the row to [this rank][t] on r, then
+//    signals each of t's messages for r's experts at the position of t among this rank's tokens for
+//    that expert (so rows arrive in token order).
 //  * Dispatch receive: (local expert, source) pairs, several warps per pair; each learns the counts of
 //    every source of its expert, packs its messages' rows source-major and writes layout_range /
 //    recv_count.
@@ -133,18 +134,20 @@ MOE_EP_DEVICE float clamp_fp8(float v) { return fminf(fmaxf(v, -kFp8Max), kFp8Ma
 // saturate(x * (1 / scale)) to nearest even. Every float operation is explicitly rounded so that the
 // compiler cannot fuse it. A lane casts 16 channels per step; the 8 lanes of a 128-channel group
 // share their amax through shuffles, and a warp step covers 4 groups, i.e. exactly one UE8M0 word.
+// The warp casts the 16-channel chunks [first_chunk, end_chunk) of the row, whole warp steps (see
+// warp_share), so that several warps can cast one row.
 template <bool kUe8m0>
-MOE_EP_DEVICE void cast_row_fp8(const int4* x_row, uint8_t* dst, int hidden, bool round_scale, int lane) {
-    const int num_chunks = hidden / 16;
+MOE_EP_DEVICE void cast_row_fp8(const int4* x_row, uint8_t* dst, int hidden, int first_chunk, int end_chunk,
+                                bool round_scale, int lane) {
     int4* q = reinterpret_cast<int4*>(dst);
     uint32_t* scales = reinterpret_cast<uint32_t*>(dst + hidden);
-    for (int base = 0; base < num_chunks; base += 32 * kCastUnroll) {
+    for (int base = first_chunk; base < end_chunk; base += 32 * kCastUnroll) {
         int4 raw[kCastUnroll][2];
 #pragma unroll
         for (int u = 0; u < kCastUnroll; ++u) {
             const int c = base + u * 32 + lane;
             raw[u][0] = raw[u][1] = make_int4(0, 0, 0, 0);
-            if (c < num_chunks) {
+            if (c < end_chunk) {
                 raw[u][0] = __ldg(x_row + 2 * c);
                 raw[u][1] = __ldg(x_row + 2 * c + 1);
             }
@@ -152,7 +155,7 @@ MOE_EP_DEVICE void cast_row_fp8(const int4* x_row, uint8_t* dst, int hidden, boo
 #pragma unroll
         for (int u = 0; u < kCastUnroll; ++u) {
             const int step = base + u * 32;  // warp-uniform; groups never straddle the row end (H % 128 == 0)
-            if (step >= num_chunks) break;
+            if (step >= end_chunk) break;
             const int c = step + lane;
             const __nv_bfloat162* pairs = reinterpret_cast<const __nv_bfloat162*>(raw[u]);
             float v[16];
@@ -178,17 +181,17 @@ MOE_EP_DEVICE void cast_row_fp8(const int4* x_row, uint8_t* dst, int hidden, boo
                 packed[i] = static_cast<uint32_t>(__nv_cvt_float2_to_fp8x2(lo, __NV_SATFINITE, __NV_E4M3)) |
                             (static_cast<uint32_t>(__nv_cvt_float2_to_fp8x2(hi, __NV_SATFINITE, __NV_E4M3)) << 16);
             }
-            if (c < num_chunks)
+            if (c < end_chunk)
                 q[c] = make_int4(static_cast<int>(packed[0]), static_cast<int>(packed[1]), static_cast<int>(packed[2]),
                                  static_cast<int>(packed[3]));
             if constexpr (kUe8m0) {
                 // Groups past the row end contribute 0 bytes, as pack_ue8m0 pads the last word.
-                const uint32_t exponent = c < num_chunks ? (__float_as_uint(scale) >> 23) & 0xffu : 0u;
+                const uint32_t exponent = c < end_chunk ? (__float_as_uint(scale) >> 23) & 0xffu : 0u;
                 uint32_t word = 0;
 #pragma unroll
                 for (int b = 0; b < 4; ++b) word |= __shfl_sync(kFullMask, exponent, 8 * b) << (8 * b);
                 if (lane == 0) scales[step / 32] = word;
-            } else if (lane % 8 == 0 && c < num_chunks) {
+            } else if (lane % 8 == 0 && c < end_chunk) {
                 scales[c / 8] = __float_as_uint(scale);
             }
         }
@@ -346,6 +349,37 @@ struct WarpSchedule {
     MOE_EP_DEVICE int workers_per_item(int num_items) const { return max(1, num_warps / max(num_items, 1)); }
 };
 
+// Teams of `size` consecutive warps of one block (1, 2, 4 or 8), numbered across blocks first like the
+// warps: at decode sizes one item per team, so that a row is cast by several warps at once instead of
+// one warp's chain of loads. Named barrier 1 + index (0 is __syncthreads) joins a team's warps.
+struct TeamSchedule {
+    int team, num_teams, size, member;
+    static constexpr int kMaxSize = 8;
+    // The largest team size that still gives every one of `num_items` items its own team.
+    MOE_EP_DEVICE static TeamSchedule make(int num_items) {
+        int size = kMaxSize;
+        while (size > 1 && num_items > kWarps / size * static_cast<int>(gridDim.x)) size /= 2;
+        const int warp = threadIdx.x / 32;
+        return {static_cast<int>(warp / size * gridDim.x + blockIdx.x), static_cast<int>(kWarps / size * gridDim.x),
+                size, warp % size};
+    }
+    MOE_EP_DEVICE void sync() const {
+        if (size > 1) asm volatile("bar.sync %0, %1;" ::"r"(1 + static_cast<int>(threadIdx.x / 32) / size), "r"(32 * size) : "memory");
+    }
+};
+
+// The units [begin, end) of a row of `n` units that member `member` of `members` handles: whole
+// 32-unit warp steps, so that lanes stay coalesced and FP8 scale words are never split.
+MOE_EP_DEVICE void warp_share(int n, int member, int members, int& begin, int& end) {
+    const int steps = (n + 31) / 32;
+    begin = min(n, member * steps / members * 32);
+    end = min(n, (member + 1) * steps / members * 32);
+}
+
+MOE_EP_DEVICE void st_relaxed_sys_u64(uint64_t* ptr, uint64_t v) {
+    asm volatile("st.relaxed.sys.global.u64 [%0], %1;" ::"l"(ptr), "l"(v) : "memory");
+}
+
 // ------------------------------------------------------------------ dispatch
 
 // Entries of `ids[0, n)` equal to `expert`, counted by the whole warp (8 int16 per 16-byte load).
@@ -382,9 +416,10 @@ MOE_EP_DEVICE int slot_positions(const int16_t* s_ids, int token_entry, uint32_t
     return position;
 }
 
-// Items: one count per expert, then one per (token, destination rank). A token's row travels once to each
-// rank that hosts one of its experts, into row [source rank][token] of the data region; then every
-// (token, slot) message on that rank gets its signal: the token, in the flag of its expert's position.
+// Items: one count per expert (a warp each), then one per (token, destination rank) (a team each). A
+// token's row travels once to each rank that hosts one of its experts, into row [source rank][token]
+// of the data region; then every (token, slot) message on that rank gets its signal: the token, in the
+// flag of its expert's position.
 template <Mode kMode>
 MOE_EP_DEVICE void dispatch_send(const DispatchArgs& a, const Context& c, const Layout& L, const Phase& op,
                                  int16_t* s_ids) {
@@ -399,47 +434,64 @@ MOE_EP_DEVICE void dispatch_send(const DispatchArgs& a, const Context& c, const 
 
     const WarpSchedule ws = WarpSchedule::make();
     const int lane = ws.lane;
-    const int bytes = message_bytes(kMode, a.hidden);
     bool used_puts = false;
-    for (int item = ws.warp; item < a.num_experts + a.num_tokens * num_ranks; item += ws.num_warps) {
-        if (item < a.num_experts) {
-            // Every (expert, source) pair gets a count, zero included: receivers wait for all of them.
-            const int count = count_expert(s_ids, entries, item, lane);
-            if (lane == 0) {
-                const int dst = item / num_local;
-                const int64_t offset = op.counts + (static_cast<int64_t>(item % num_local) * num_ranks + rank) * 8;
-                const uint64_t signal = make_signal(op.tag, static_cast<uint32_t>(count));
-                if (c.peers[dst] != nullptr) {
-                    st_release_sys_u64(reinterpret_cast<uint64_t*>(c.peers[dst] + offset), signal);
-                } else {
-                    put_signal(reinterpret_cast<uint64_t*>(c.local + offset), signal, dst);
-                    used_puts = true;
-                }
+    for (int item = ws.warp; item < a.num_experts; item += ws.num_warps) {
+        // Every (expert, source) pair gets a count, zero included: receivers wait for all of them. A
+        // count guards no data (each message has its own flag), so it needs no release.
+        const int count = count_expert(s_ids, entries, item, lane);
+        if (lane == 0) {
+            const int dst = item / num_local;
+            const int64_t offset = op.counts + (static_cast<int64_t>(item % num_local) * num_ranks + rank) * 8;
+            const uint64_t signal = make_signal(op.tag, static_cast<uint32_t>(count));
+            if (c.peers[dst] != nullptr) {
+                st_relaxed_sys_u64(reinterpret_cast<uint64_t*>(c.peers[dst] + offset), signal);
+            } else {
+                put_signal(reinterpret_cast<uint64_t*>(c.local + offset), signal, dst);
+                used_puts = true;
             }
-            continue;
         }
-        const int token = (item - a.num_experts) / num_ranks, dst = (item - a.num_experts) % num_ranks;
+    }
+
+    const int num_items = a.num_tokens * num_ranks;
+    const TeamSchedule team = TeamSchedule::make(num_items);
+    const int bytes = message_bytes(kMode, a.hidden);
+    for (int item = team.team; item < num_items; item += team.num_teams) {
+        const int token = item / num_ranks, dst = item % num_ranks;
         int expert;
         const uint32_t slots = slots_on_rank(s_ids, token, a.num_topk, dst, num_local, lane, expert);
         if (slots == 0) continue;
-        const int position = slot_positions(s_ids, token * a.num_topk, slots, expert, lane);
         const int64_t data_offset = op.data + (static_cast<int64_t>(rank) * a.max_tokens + token) * L.row_bytes;
         uint8_t* peer = c.peers[dst];
-        // Peers without P2P: stage the row in the send region (row token * R + dst), then put it.
-        uint8_t* row = peer != nullptr ? peer + data_offset
-                                       : c.local + L.send + (static_cast<int64_t>(token) * num_ranks + dst) * L.row_bytes;
+        // Peers without P2P get the whole item from the team's first warp: it stages the row in the send
+        // region (row token * R + dst), then puts it.
+        const bool direct = peer != nullptr;
+        if (!direct && team.member != 0) continue;
+        const int members = direct ? team.size : 1, member = direct ? team.member : 0;
+        uint8_t* row = direct ? peer + data_offset
+                              : c.local + L.send + (static_cast<int64_t>(token) * num_ranks + dst) * L.row_bytes;
         const int4* x_row = static_cast<const int4*>(a.x) + static_cast<int64_t>(token) * (a.hidden / 8);
-        if constexpr (kMode == Mode::kBF16)
-            copy_row<true>(reinterpret_cast<int4*>(row), x_row, a.hidden / 8, lane);
-        else
-            cast_row_fp8<kMode == Mode::kFP8UE8M0>(x_row, row, a.hidden, a.round_scale, lane);
+        int begin, end;
+        if constexpr (kMode == Mode::kBF16) {
+            warp_share(a.hidden / 8, member, members, begin, end);
+            copy_row<true>(reinterpret_cast<int4*>(row) + begin, x_row + begin, end - begin, lane);
+        } else {
+            warp_share(a.hidden / 16, member, members, begin, end);
+            cast_row_fp8<kMode == Mode::kFP8UE8M0>(x_row, row, a.hidden, begin, end, a.round_scale, lane);
+        }
+        // The first warp finds the messages' positions while the shares' stores are in flight.
+        const int position = member == 0 ? slot_positions(s_ids, token * a.num_topk, slots, expert, lane) : 0;
+        // The team's barrier orders every share's stores before the first warp's releases, which are
+        // cumulative: one system fence per item. (A fence in every warp before the barrier cost 1-2 us
+        // at every size: docs/perf-notes-low-latency.md, session 16.)
+        if (direct && members > 1) team.sync();
+        if (member != 0) continue;
         const bool my_slot = (slots >> lane) & 1u;
         const int64_t message =
             my_slot ? (static_cast<int64_t>(expert % num_local) * num_ranks + rank) * a.max_tokens + position : 0;
         const int64_t flag_offset = op.flags + message * 8;
         const uint64_t signal = make_signal(op.tag, static_cast<uint32_t>(token));
-        if (peer != nullptr) {
-            // __syncwarp orders every lane's row stores before the releases (release is cumulative).
+        if (direct) {
+            // __syncwarp orders every lane's row stores before the releases.
             __syncwarp();
             if (my_slot) st_release_sys_u64(reinterpret_cast<uint64_t*>(peer + flag_offset), signal);
         } else {
