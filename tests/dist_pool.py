@@ -21,8 +21,6 @@ from typing import Any, Callable, Optional
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-from moe_ep.launch import free_port
-
 GLOO_TIMEOUT_S = 30
 FAILURE_GRACE_S = 15
 POLL_S = 5  # how often a waiting pool checks that its workers are alive
@@ -48,8 +46,9 @@ def _worker(rank: int, world: int, port: int, backend: str, tasks: Any, results:
     if backend == "nccl":
         torch.cuda.set_device(rank)
         options["device_id"] = torch.device("cuda", rank)
-    dist.init_process_group(backend, init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world,
-                            timeout=datetime.timedelta(seconds=GLOO_TIMEOUT_S), **options)
+    timeout = datetime.timedelta(seconds=GLOO_TIMEOUT_S)
+    store = dist.TCPStore("127.0.0.1", port, is_master=False, timeout=timeout)
+    dist.init_process_group(backend, store=store, rank=rank, world_size=world, timeout=timeout, **options)
     while True:
         task = tasks.get()
         if task is None:
@@ -70,7 +69,11 @@ class DistPool:
         self.world = world
         self.tasks = [ctx.Queue() for _ in range(world)]
         self.results = ctx.Queue()
-        port = free_port()
+        # The pool serves the rendezvous itself on a port the OS assigns when it binds: a port picked
+        # first and bound later by a worker can be taken in between (NVSHMEM and NCCL open sockets too).
+        self.store = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False,
+                                   timeout=datetime.timedelta(seconds=GLOO_TIMEOUT_S))
+        port = self.store.port
         self.pool_id = f"{os.getpid()}_{port}"
         self.procs = [ctx.Process(target=_worker,
                                   args=(r, world, port, backend, self.tasks[r], self.results, self.pool_id),
