@@ -349,22 +349,28 @@ struct WarpSchedule {
     MOE_EP_DEVICE int workers_per_item(int num_items) const { return max(1, num_warps / max(num_items, 1)); }
 };
 
-// Teams of `size` consecutive warps of one block (1, 2, 4 or 8), numbered across blocks first like the
-// warps: at decode sizes one item per team, so that a row is cast by several warps at once instead of
-// one warp's chain of loads. Named barrier 1 + index (0 is __syncthreads) joins a team's warps.
+// Teams of `size` consecutive warps of one block (1, 2, 4 or 8) among its warps [first_warp, kWarps),
+// numbered across blocks first like the warps: at decode sizes one item per team, so that a row is
+// cast by several warps at once instead of one warp's chain of loads. Named barrier 1 + index (0 is
+// __syncthreads) joins a team's warps.
 struct TeamSchedule {
-    int team, num_teams, size, member;
+    int team, num_teams, size, member, first_warp;
     static constexpr int kMaxSize = 8;
-    // The largest team size that still gives every one of `num_items` items its own team.
-    MOE_EP_DEVICE static TeamSchedule make(int num_items) {
+    // The largest team size that still gives every one of `num_items` items its own team. Warps outside
+    // every team (before first_warp, or left over) get team INT_MAX: no item.
+    MOE_EP_DEVICE static TeamSchedule make(int num_items, int first_warp) {
+        const int grid = static_cast<int>(gridDim.x), avail = kWarps - first_warp;
         int size = kMaxSize;
-        while (size > 1 && num_items > kWarps / size * static_cast<int>(gridDim.x)) size /= 2;
-        const int warp = threadIdx.x / 32;
-        return {static_cast<int>(warp / size * gridDim.x + blockIdx.x), static_cast<int>(kWarps / size * gridDim.x),
-                size, warp % size};
+        while (size > 1 && (size > avail || num_items > avail / size * grid)) size /= 2;
+        const int rel = static_cast<int>(threadIdx.x / 32) - first_warp, per_block = avail / size;
+        const bool in_team = rel >= 0 && rel / size < per_block;
+        return {in_team ? rel / size * grid + static_cast<int>(blockIdx.x) : INT_MAX, per_block * grid, size,
+                in_team ? rel % size : 0, first_warp};
     }
     MOE_EP_DEVICE void sync() const {
-        if (size > 1) asm volatile("bar.sync %0, %1;" ::"r"(1 + static_cast<int>(threadIdx.x / 32) / size), "r"(32 * size) : "memory");
+        if (size > 1)
+            asm volatile("bar.sync %0, %1;" ::"r"(1 + (static_cast<int>(threadIdx.x / 32) - first_warp) / size),
+                         "r"(32 * size) : "memory");
     }
 };
 
@@ -453,7 +459,9 @@ MOE_EP_DEVICE void dispatch_send(const DispatchArgs& a, const Context& c, const 
     }
 
     const int num_items = a.num_tokens * num_ranks;
-    const TeamSchedule team = TeamSchedule::make(num_items);
+    // The teams start after the warps that had a count item, so that no row waits for a count.
+    const int count_warps = min(ceil_div(a.num_experts, static_cast<int>(gridDim.x)), kWarps - 1);
+    const TeamSchedule team = TeamSchedule::make(num_items, count_warps);
     const int bytes = message_bytes(kMode, a.hidden);
     for (int item = team.team; item < num_items; item += team.num_teams) {
         const int token = item / num_ranks, dst = item % num_ranks;
