@@ -77,6 +77,10 @@ MOE_EP_DEVICE void st_release_sys_u64(uint64_t* ptr, uint64_t v) {
     asm volatile("st.release.sys.global.u64 [%0], %1;" ::"l"(ptr), "l"(v) : "memory");
 }
 
+MOE_EP_DEVICE void st_relaxed_sys_u64(uint64_t* ptr, uint64_t v) {
+    asm volatile("st.relaxed.sys.global.u64 [%0], %1;" ::"l"(ptr), "l"(v) : "memory");
+}
+
 MOE_EP_DEVICE void st_relaxed_gpu_u64(uint64_t* ptr, uint64_t v) {
     asm volatile("st.relaxed.gpu.global.u64 [%0], %1;" ::"l"(ptr), "l"(v) : "memory");
 }

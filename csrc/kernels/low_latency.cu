@@ -382,10 +382,6 @@ MOE_EP_DEVICE void warp_share(int n, int member, int members, int& begin, int& e
     end = min(n, (member + 1) * steps / members * 32);
 }
 
-MOE_EP_DEVICE void st_relaxed_sys_u64(uint64_t* ptr, uint64_t v) {
-    asm volatile("st.relaxed.sys.global.u64 [%0], %1;" ::"l"(ptr), "l"(v) : "memory");
-}
-
 // ------------------------------------------------------------------ dispatch
 
 // Entries of `ids[0, n)` equal to `expert`, counted by the whole warp (8 int16 per 16-byte load).
