@@ -4,10 +4,10 @@
 // Work is split among warps, numbered across blocks first (warp w of block b is global warp
 // w * grid + b) so that consecutive work items land on different SMs.
 //  * Dispatch send: warp item e < E counts the messages for expert e and signals the count to its
-//    owner; then a team of warps per item t * R + r casts token t once for rank r (if one of its
-//    experts lives there), each warp a share of the row, writes the row to [this rank][t] on r, then
-//    signals each of t's messages for r's experts at the position of t among this rank's tokens for
-//    that expert (so rows arrive in token order).
+//    owner; then a team of warps per token t (per (t, rank) at small batches) casts t once, each warp a
+//    share of the row, writes the row to [this rank][t] on every rank hosting one of t's experts, then
+//    signals each of t's messages at the position of t among this rank's tokens for its expert (so
+//    rows arrive in token order).
 //  * Dispatch receive: (local expert, source) pairs, several warps per pair; each learns the counts of
 //    every source of its expert, packs its messages' rows source-major and writes layout_range /
 //    recv_count.
@@ -100,23 +100,52 @@ MOE_EP_DEVICE void complete_puts() {}
 
 // ------------------------------------------------------------------ rows
 
-// Copies `n` 16-byte vectors with the whole warp. `kReadOnly`: the source is not written while the
-// kernel runs (the non-coherent path is then allowed); rows written by peers use ordinary loads.
-template <bool kReadOnly>
-MOE_EP_DEVICE void copy_row(int4* dst, const int4* src, int n, int lane) {
-    for (int base = 0; base < n; base += 32 * kCopyUnroll) {
+// Copies the 16-byte vectors [begin, end) of `src` with the whole warp, kCopyUnroll loads in flight per
+// lane, handing each to `store(index, value, pred)` (every lane calls it; `pred`: this lane has a value).
+// `kReadOnly`: the source is not written while the kernel runs (the non-coherent path is then allowed);
+// rows written by peers use ordinary loads.
+template <bool kReadOnly, class Store>
+MOE_EP_DEVICE void copy_vectors(const int4* src, int begin, int end, int lane, const Store& store) {
+    for (int base = begin; base < end; base += 32 * kCopyUnroll) {
         int4 v[kCopyUnroll];
 #pragma unroll
         for (int u = 0; u < kCopyUnroll; ++u) {
             const int i = base + u * 32 + lane;
-            if (i < n) v[u] = kReadOnly ? __ldg(src + i) : src[i];
+            if (i < end) v[u] = kReadOnly ? __ldg(src + i) : src[i];
         }
 #pragma unroll
-        for (int u = 0; u < kCopyUnroll; ++u) {
-            const int i = base + u * 32 + lane;
-            if (i < n) dst[i] = v[u];
+        for (int u = 0; u < kCopyUnroll; ++u) store(base + u * 32 + lane, v[u], base + u * 32 + lane < end);
+    }
+}
+
+// Copies a row of `n` 16-byte vectors written by a peer to `dst`.
+MOE_EP_DEVICE void copy_row(int4* dst, const int4* src, int n, int lane) {
+    copy_vectors<false>(src, 0, n, lane, [dst](int i, const int4& v, bool pred) {
+        if (pred) dst[i] = v;
+    });
+}
+
+// The rows a send writes a token's row to: one address per destination rank, held by the lanes of
+// `lanes`, so that a row loaded (and cast) once is stored to each. Every lane calls `store` (it
+// shuffles the addresses); `pred` says whether this lane has a value to store.
+struct RowFanOut {
+    uint8_t* row;  // this lane's destination when its bit is set in `lanes`
+    uint32_t lanes;
+    template <class T>
+    MOE_EP_DEVICE void store(int64_t offset, T v, bool pred) const {
+        for (uint32_t rest = lanes; rest != 0; rest &= rest - 1) {
+            uint8_t* to = reinterpret_cast<uint8_t*>(
+                __shfl_sync(kFullMask, reinterpret_cast<unsigned long long>(row), __ffs(rest) - 1));
+            if (pred) *reinterpret_cast<T*>(to + offset) = v;
         }
     }
+};
+
+// Sends the 16-byte vectors [begin, end) of a token's (read-only) row to `to`.
+MOE_EP_DEVICE void send_row(const RowFanOut& to, const int4* src, int begin, int end, int lane) {
+    copy_vectors<true>(src, begin, end, lane, [&to](int i, const int4& v, bool pred) {
+        to.store(static_cast<int64_t>(i) * 16, v, pred);
+    });
 }
 
 // 2^ceil(log2(s)) for a positive normal float, exactly (fp8.py's round_scale for every BF16 input:
@@ -137,10 +166,8 @@ MOE_EP_DEVICE float clamp_fp8(float v) { return fminf(fmaxf(v, -kFp8Max), kFp8Ma
 // The warp casts the 16-channel chunks [first_chunk, end_chunk) of the row, whole warp steps (see
 // warp_share), so that several warps can cast one row.
 template <bool kUe8m0>
-MOE_EP_DEVICE void cast_row_fp8(const int4* x_row, uint8_t* dst, int hidden, int first_chunk, int end_chunk,
+MOE_EP_DEVICE void cast_row_fp8(const int4* x_row, const RowFanOut& to, int hidden, int first_chunk, int end_chunk,
                                 bool round_scale, int lane) {
-    int4* q = reinterpret_cast<int4*>(dst);
-    uint32_t* scales = reinterpret_cast<uint32_t*>(dst + hidden);
     for (int base = first_chunk; base < end_chunk; base += 32 * kCastUnroll) {
         int4 raw[kCastUnroll][2];
 #pragma unroll
@@ -181,18 +208,19 @@ MOE_EP_DEVICE void cast_row_fp8(const int4* x_row, uint8_t* dst, int hidden, int
                 packed[i] = static_cast<uint32_t>(__nv_cvt_float2_to_fp8x2(lo, __NV_SATFINITE, __NV_E4M3)) |
                             (static_cast<uint32_t>(__nv_cvt_float2_to_fp8x2(hi, __NV_SATFINITE, __NV_E4M3)) << 16);
             }
-            if (c < end_chunk)
-                q[c] = make_int4(static_cast<int>(packed[0]), static_cast<int>(packed[1]), static_cast<int>(packed[2]),
-                                 static_cast<int>(packed[3]));
+            to.store(static_cast<int64_t>(c) * 16,
+                     make_int4(static_cast<int>(packed[0]), static_cast<int>(packed[1]), static_cast<int>(packed[2]),
+                               static_cast<int>(packed[3])),
+                     c < end_chunk);
             if constexpr (kUe8m0) {
                 // Groups past the row end contribute 0 bytes, as pack_ue8m0 pads the last word.
                 const uint32_t exponent = c < end_chunk ? (__float_as_uint(scale) >> 23) & 0xffu : 0u;
                 uint32_t word = 0;
 #pragma unroll
                 for (int b = 0; b < 4; ++b) word |= __shfl_sync(kFullMask, exponent, 8 * b) << (8 * b);
-                if (lane == 0) scales[step / 32] = word;
-            } else if (lane % 8 == 0 && c < end_chunk) {
-                scales[c / 8] = __float_as_uint(scale);
+                to.store(hidden + static_cast<int64_t>(step / 32) * 4, word, lane == 0);
+            } else {
+                to.store(hidden + static_cast<int64_t>(c / 8) * 4, __float_as_uint(scale), lane % 8 == 0 && c < end_chunk);
             }
         }
     }
@@ -367,6 +395,10 @@ struct TeamSchedule {
         return {in_team ? rel / size * grid + static_cast<int>(blockIdx.x) : INT_MAX, per_block * grid, size,
                 in_team ? rel % size : 0, first_warp};
     }
+    // Teams of the largest size the grid holds when the teams start at warp `first_warp`.
+    MOE_EP_DEVICE static int full_size_teams(int first_warp) {
+        return (kWarps - first_warp) / kMaxSize * static_cast<int>(gridDim.x);
+    }
     MOE_EP_DEVICE void sync() const {
         if (size > 1)
             asm volatile("bar.sync %0, %1;" ::"r"(1 + (static_cast<int>(threadIdx.x / 32) - first_warp) / size),
@@ -399,14 +431,6 @@ MOE_EP_DEVICE int count_expert(const int16_t* ids, int n, int expert, int lane) 
     return warp_sum(count);
 }
 
-// The top-k slots of `token` whose expert lives on rank `dst`, as a lane mask (bit j: slot j); lane j
-// gets slot j's expert in `expert` (-1 for a masked slot or past the top-k).
-MOE_EP_DEVICE uint32_t slots_on_rank(const int16_t* s_ids, int token, int num_topk, int dst, int num_local, int lane,
-                                     int& expert) {
-    expert = lane < num_topk ? s_ids[token * num_topk + lane] : -1;
-    return __ballot_sync(kFullMask, expert >= 0 && expert / num_local == dst);
-}
-
 // Lane j of `slots` gets the position of slot j's message: the number of earlier entries for its expert.
 MOE_EP_DEVICE int slot_positions(const int16_t* s_ids, int token_entry, uint32_t slots, int expert, int lane) {
     int position = 0;
@@ -418,10 +442,81 @@ MOE_EP_DEVICE int slot_positions(const int16_t* s_ids, int token_entry, uint32_t
     return position;
 }
 
-// Items: one count per expert (a warp each), then one per (token, destination rank) (a team each). A
-// token's row travels once to each rank that hosts one of its experts, into row [source rank][token]
-// of the data region; then every (token, slot) message on that rank gets its signal: the token, in the
-// flag of its expert's position.
+// The rows of the dispatch send. An item is a token, or a (token, destination rank) pair at small batches,
+// and a team of warps sends it: the team loads (and casts) the row once and stores it to every rank of
+// the item that hosts one of the token's experts, into row [source rank][token] of that rank's data
+// region; then every (token, slot) message gets its signal, the token, in the flag of its expert's
+// position. The team's warps split the row, and each finds the positions of a share of the slots while
+// the stores are in flight. An item with a rank reached through NVSHMEM puts is sent by the team's first
+// warp alone: it stages the row for those ranks in the send region (row token * R + dst) and puts it once
+// per message. Returns whether puts were issued.
+template <Mode kMode>
+MOE_EP_DEVICE bool send_rows(const DispatchArgs& a, const Context& c, const Layout& L, const Phase& op,
+                             const int16_t* s_ids, int count_warps, int lane) {
+    const int num_ranks = c.comm.num_ranks, rank = c.comm.rank;
+    const int num_local = a.num_experts / num_ranks;
+    // Items split by rank only while they fill at most half of the largest teams: a row cast once for
+    // all its ranks sends less, while separate ranks go out from separate teams at once. Measured (s17-3,
+    // hook send, 4 ranks): by rank 7.5 us against 8.5 at 1 token; by token 8.9 against 9.2 at 32.
+    const int parts = a.num_tokens * num_ranks <= TeamSchedule::full_size_teams(count_warps) / 2 ? num_ranks : 1;
+    const int num_items = a.num_tokens * parts;
+    const TeamSchedule team = TeamSchedule::make(num_items, count_warps);
+    const int bytes = message_bytes(kMode, a.hidden);
+    bool used_puts = false;
+    for (int item = team.team; item < num_items; item += team.num_teams) {
+        const int token = item / parts, part = item % parts;
+        const int expert = lane < a.num_topk ? s_ids[token * a.num_topk + lane] : -1;
+        const int dst = expert >= 0 ? expert / num_local : -1;
+        const bool in_item = expert >= 0 && (parts == 1 || dst == part);
+        const uint32_t valid = __ballot_sync(kFullMask, in_item);
+        if (valid == 0) continue;
+        // One lane per destination rank: the first slot with an expert there. (Every lane must take part
+        // in the match, so it is not behind the short-circuit.)
+        const uint32_t same_dst = __match_any_sync(kFullMask, dst);
+        const bool leads = in_item && __ffs(same_dst) - 1 == lane;
+        uint8_t* peer = in_item ? c.peers[dst] : nullptr;
+        const bool direct = __ballot_sync(kFullMask, leads && peer == nullptr) == 0;
+        if (!direct && team.member != 0) continue;
+        const int members = direct ? team.size : 1, member = direct ? team.member : 0;
+        const int64_t data_offset = op.data + (static_cast<int64_t>(rank) * a.max_tokens + token) * L.row_bytes;
+        uint8_t* staged = c.local + L.send + (static_cast<int64_t>(token) * num_ranks + max(dst, 0)) * L.row_bytes;
+        const RowFanOut to{peer != nullptr ? peer + data_offset : staged, __ballot_sync(kFullMask, leads)};
+        const int4* x_row = static_cast<const int4*>(a.x) + static_cast<int64_t>(token) * (a.hidden / 8);
+        int begin, end;
+        if constexpr (kMode == Mode::kBF16) {
+            warp_share(a.hidden / 8, member, members, begin, end);
+            send_row(to, x_row, begin, end, lane);
+        } else {
+            warp_share(a.hidden / 16, member, members, begin, end);
+            cast_row_fp8<kMode == Mode::kFP8UE8M0>(x_row, to, a.hidden, begin, end, a.round_scale, lane);
+        }
+        const uint32_t mine =
+            __ballot_sync(kFullMask, in_item && __popc(valid & ((1u << lane) - 1u)) % members == member);
+        const int position = slot_positions(s_ids, token * a.num_topk, mine, expert, lane);
+        // The team's barrier orders every share's stores before each warp's releases, which are
+        // cumulative: no fence per warp. (A fence in every warp before the barrier cost 1-2 us at every
+        // size: docs/perf-notes-low-latency.md, session 16.)
+        if (members > 1) team.sync();
+        const int64_t message = (static_cast<int64_t>(max(expert, 0) % num_local) * num_ranks + rank) * a.max_tokens + position;
+        const int64_t flag_offset = op.flags + message * 8;
+        const uint64_t signal = make_signal(op.tag, static_cast<uint32_t>(token));
+        // __syncwarp orders every lane's row stores before the releases.
+        __syncwarp();
+        if (((mine >> lane) & 1u) && peer != nullptr) st_release_sys_u64(reinterpret_cast<uint64_t*>(peer + flag_offset), signal);
+        // A put-with-signal orders one signal after its row: the row goes once per message.
+        for (uint32_t rest = mine & __ballot_sync(kFullMask, peer == nullptr); rest != 0; rest &= rest - 1) {
+            const int j = __ffs(rest) - 1;
+            const int to_rank = __shfl_sync(kFullMask, dst, j);
+            put_row_with_signal(c.local + data_offset,
+                                c.local + L.send + (static_cast<int64_t>(token) * num_ranks + to_rank) * L.row_bytes, bytes,
+                                reinterpret_cast<uint64_t*>(c.local + __shfl_sync(kFullMask, flag_offset, j)), signal, to_rank);
+            used_puts = true;
+        }
+    }
+    return used_puts;
+}
+
+// Items: one count per expert (a warp each), then the rows (send_rows).
 template <Mode kMode>
 MOE_EP_DEVICE void dispatch_send(const DispatchArgs& a, const Context& c, const Layout& L, const Phase& op,
                                  int16_t* s_ids) {
@@ -454,61 +549,9 @@ MOE_EP_DEVICE void dispatch_send(const DispatchArgs& a, const Context& c, const 
         }
     }
 
-    const int num_items = a.num_tokens * num_ranks;
     // The teams start after the warps that had a count item, so that no row waits for a count.
     const int count_warps = min(ceil_div(a.num_experts, static_cast<int>(gridDim.x)), kWarps - 1);
-    const TeamSchedule team = TeamSchedule::make(num_items, count_warps);
-    const int bytes = message_bytes(kMode, a.hidden);
-    for (int item = team.team; item < num_items; item += team.num_teams) {
-        const int token = item / num_ranks, dst = item % num_ranks;
-        int expert;
-        const uint32_t slots = slots_on_rank(s_ids, token, a.num_topk, dst, num_local, lane, expert);
-        if (slots == 0) continue;
-        const int64_t data_offset = op.data + (static_cast<int64_t>(rank) * a.max_tokens + token) * L.row_bytes;
-        uint8_t* peer = c.peers[dst];
-        // Peers without P2P get the whole item from the team's first warp: it stages the row in the send
-        // region (row token * R + dst), then puts it.
-        const bool direct = peer != nullptr;
-        if (!direct && team.member != 0) continue;
-        const int members = direct ? team.size : 1, member = direct ? team.member : 0;
-        uint8_t* row = direct ? peer + data_offset
-                              : c.local + L.send + (static_cast<int64_t>(token) * num_ranks + dst) * L.row_bytes;
-        const int4* x_row = static_cast<const int4*>(a.x) + static_cast<int64_t>(token) * (a.hidden / 8);
-        int begin, end;
-        if constexpr (kMode == Mode::kBF16) {
-            warp_share(a.hidden / 8, member, members, begin, end);
-            copy_row<true>(reinterpret_cast<int4*>(row) + begin, x_row + begin, end - begin, lane);
-        } else {
-            warp_share(a.hidden / 16, member, members, begin, end);
-            cast_row_fp8<kMode == Mode::kFP8UE8M0>(x_row, row, a.hidden, begin, end, a.round_scale, lane);
-        }
-        // The first warp finds the messages' positions while the shares' stores are in flight.
-        const int position = member == 0 ? slot_positions(s_ids, token * a.num_topk, slots, expert, lane) : 0;
-        // The team's barrier orders every share's stores before the first warp's releases, which are
-        // cumulative: one system fence per item. (A fence in every warp before the barrier cost 1-2 us
-        // at every size: docs/perf-notes-low-latency.md, session 16.)
-        if (direct && members > 1) team.sync();
-        if (member != 0) continue;
-        const bool my_slot = (slots >> lane) & 1u;
-        const int64_t message =
-            my_slot ? (static_cast<int64_t>(expert % num_local) * num_ranks + rank) * a.max_tokens + position : 0;
-        const int64_t flag_offset = op.flags + message * 8;
-        const uint64_t signal = make_signal(op.tag, static_cast<uint32_t>(token));
-        if (direct) {
-            // __syncwarp orders every lane's row stores before the releases.
-            __syncwarp();
-            if (my_slot) st_release_sys_u64(reinterpret_cast<uint64_t*>(peer + flag_offset), signal);
-        } else {
-            // A put-with-signal orders one signal after its row: the row goes once per message (the same
-            // bytes again, so a receiver already reading it reads the same values).
-            for (uint32_t rest = slots; rest != 0; rest &= rest - 1) {
-                const int64_t flag = __shfl_sync(kFullMask, flag_offset, __ffs(rest) - 1);
-                put_row_with_signal(c.local + data_offset, row, bytes, reinterpret_cast<uint64_t*>(c.local + flag),
-                                    signal, dst);
-            }
-            used_puts = true;
-        }
-    }
+    if (send_rows<kMode>(a, c, L, op, s_ids, count_warps, lane)) used_puts = true;
     if (used_puts) complete_puts();
 }
 
@@ -520,7 +563,7 @@ MOE_EP_DEVICE void copy_fp8_message(int4* out_row, uint32_t* out_scales, int64_t
     const uint32_t* scales = reinterpret_cast<const uint32_t*>(msg + hidden);
     const uint32_t first = lane < n ? scales[lane] : 0u;
     const uint32_t second = lane + 32 < n ? scales[lane + 32] : 0u;
-    copy_row<false>(out_row, reinterpret_cast<const int4*>(msg), hidden / 16, lane);
+    copy_row(out_row, reinterpret_cast<const int4*>(msg), hidden / 16, lane);
     if (lane < n) out_scales[lane * stride] = first;
     if (lane + 32 < n) out_scales[(lane + 32) * stride] = second;
     for (int g = lane + 64; g < n; g += 32) out_scales[g * stride] = scales[g];
@@ -581,7 +624,7 @@ MOE_EP_DEVICE void dispatch_recv(const DispatchArgs& a, const Context& c, const 
             const uint8_t* msg = data + (static_cast<int64_t>(src) * a.max_tokens + token) * L.row_bytes;
             if (lane == 0) a.recv_src_info[out_row] = static_cast<int>(token);
             if constexpr (kMode == Mode::kBF16) {
-                copy_row<false>(static_cast<int4*>(a.recv_x) + out_row * (a.hidden / 8),
+                copy_row(static_cast<int4*>(a.recv_x) + out_row * (a.hidden / 8),
                                 reinterpret_cast<const int4*>(msg), a.hidden / 8, lane);
             } else {
                 const int n = kMode == Mode::kFP8 ? groups : words;
