@@ -4,13 +4,15 @@ DeepSeek-V3 expert shapes on one rank: 64 local experts, about 32768 expert-majo
 segments padded to 16 rows; the gate/up projection (K 7168 -> M 4096) and the down projection
 (K 2048 -> M 7168). For each: forward and input gradient (dgrad: the same kernel against the
 transposed FP8 weight), FP8 (the `moe_ep._fp8` wgmma kernel where built, and Triton) vs BF16,
-CUDA-event medians; Triton's autotuned tile and every tile's time;
+CUDA-event medians; Triton's autotuned tile and every tile's time; where the CUDA kernel runs, the
+weight gradient too (BF16 `torch._grouped_mm` against the depth-grouped FP8 GEMM, and the two casts
+along the tokens it needs);
 the fused Triton casts (1x128 rows of the GEMM input and of the output gradient, the input rows cast
 back to BF16, 128x128 weight cast with its transposed copy) against the torch reference casts, which
 they must equal bit for bit. Then the whole expert MLP (`GroupedMLP`, SwiGLU, forward+backward on
 the same segments, hidden 7168, intermediate 2048): BF16, FP8 with the weights cast on every step (as
-after each optimizer step), FP8 with cached casts (gradient-accumulation micro-batches), and the
-weight cast alone, with the CUDA GEMMs and again with the Triton ones; `--profile` adds the BF16 and
+after each optimizer step), FP8 with cached casts (gradient-accumulation micro-batches), the same
+with FP8 weight gradients (CUDA GEMMs only), and the weight cast alone, with the CUDA GEMMs and again with the Triton ones; `--profile` adds the BF16 and
 FP8 steps' kernels by GPU time.
 Prints JSON, then a table (and writes the JSON with --out).
 
@@ -31,15 +33,17 @@ import triton
 from moe_ep.layers import GroupedMLP
 from moe_ep.layers import fp8_grouped_gemm as gemm
 from moe_ep.layers.experts import cast_weight_to_fp8
-from moe_ep.layers.fp8_casts import (cuda_weight_cast_runs, per_block_cast_to_fp8_with_transpose, per_token_cast_back,
-                                     per_token_cast_to_fp8)
+from moe_ep.layers.fp8_casts import (cuda_weight_cast_runs, per_block_cast_to_fp8_with_transpose,
+                                     per_column_segments_cast_to_fp8, per_token_cast_back, per_token_cast_to_fp8)
+from moe_ep.layers.fp8_cuda import fp8_extension
 from moe_ep.ops import fp8
 from timing import local_median_us
 
 ALIGNMENT = 16
 HIDDEN, INTERMEDIATE = 7168, 2048
 PROJECTIONS = {"gate_up": (HIDDEN, 2 * INTERMEDIATE), "down": (INTERMEDIATE, HIDDEN)}  # (K, M) of the forward
-EXPERT_RUNS = {"bf16": "bf16", "fp8": "fp8, weights cast every step", "fp8_cached": "fp8, cached weight casts"}
+EXPERT_RUNS = {"bf16": "bf16", "fp8": "fp8, weights cast every step", "fp8_cached": "fp8, cached weight casts",
+               "fp8_cached_wgrad": "fp8, cached, fp8 weight grads"}
 
 
 def segment_counts(num_experts: int, rows: int, seed: int) -> list[int]:
@@ -150,6 +154,8 @@ def bench_projection(num_experts: int, rows: int, depth: int, width: int, seed: 
             checks[f"cuda_{op}_rel_err_vs_triton"] = relative_error(got, want)
             checks[f"cuda_{op}_bitwise_share"] = float((got.view(torch.int16) == want.view(torch.int16)).double().mean())
 
+    if cuda:
+        checks.update(bench_weight_grad_check(counts, x, grad, (qx, sx)))
     w_t = w.transpose(-2, -1)
     times = {
         "bf16_forward_us": local_median_us(lambda: torch._grouped_mm(x, w_t, offs=ends)),
@@ -160,13 +166,49 @@ def bench_projection(num_experts: int, rows: int, depth: int, width: int, seed: 
     if cuda:
         times["cuda_fp8_forward_us"] = local_median_us(lambda: forward(backend="cuda"))
         times["cuda_fp8_dgrad_us"] = local_median_us(lambda: dgrad(backend="cuda"))
+        times.update(bench_weight_grad_times(counts, x, grad, (qx, sx)))
     flops = 2 * num_rows * depth * width
-    tflops = {name.replace("_us", "_tflops"): flops / (t * 1e-6) / 1e12 for name, t in times.items()}
+    tflops = {name.replace("_us", "_tflops"): flops / (t * 1e-6) / 1e12 for name, t in times.items()
+              if "casts" not in name}
     tiles = {"forward_tiles_us": time_each_tile(forward, width), "dgrad_tiles_us": time_each_tile(dgrad, depth)}
     return {"num_experts": num_experts, "rows": num_rows, "K": depth, "M": width,
             **checks, **times, **tflops, **casts, **tiles,
             **{f"{kind}fp8_over_bf16_{op}": times[f"bf16_{op}_us"] / times[f"{kind}fp8_{op}_us"]
-               for kind in ("", "cuda_")[:1 + cuda] for op in ("forward", "dgrad")}}
+               for kind in ("", "cuda_")[:1 + cuda] for op in ("forward", "dgrad", "wgrad")
+               if f"{kind}fp8_{op}_us" in times}}
+
+
+def weight_grad_operands(counts: list[int], grad: torch.Tensor, x_8: tuple[torch.Tensor, torch.Tensor]):
+    """The depth-grouped GEMM's operands: `grad` and the FP8 rows cast along each expert's tokens."""
+    lengths = torch.tensor(counts, device="cuda", dtype=torch.int32)
+    starts = lengths.cumsum(0, dtype=torch.int32) - lengths
+    padded_ends = fp8.padded_segment_ends(lengths)
+
+    def casts() -> tuple:
+        return (per_column_segments_cast_to_fp8(grad, None, starts, lengths, padded_ends, block_scales=False),
+                per_column_segments_cast_to_fp8(*x_8, starts, lengths, padded_ends, block_scales=True))
+    return casts, padded_ends
+
+
+def bench_weight_grad_check(counts: list[int], x: torch.Tensor, grad: torch.Tensor,
+                            x_8: tuple[torch.Tensor, torch.Tensor]) -> dict:
+    """The FP8 weight gradient of the first expert against BF16 on the same (unquantized) values."""
+    casts, padded_ends = weight_grad_operands(counts, grad, x_8)
+    (g_t, x_t) = casts()
+    got = fp8_extension().fp8_depth_grouped_mm(*g_t, *x_t, padded_ends)[0]
+    first = slice(0, counts[0])
+    return {"wgrad_rel_err": relative_error(got, grad[first].float().t() @ x[first].float())}
+
+
+def bench_weight_grad_times(counts: list[int], x: torch.Tensor, grad: torch.Tensor,
+                            x_8: tuple[torch.Tensor, torch.Tensor]) -> dict:
+    """BF16 weight gradient, the FP8 depth-grouped GEMM alone, and its two casts."""
+    ends = torch.tensor(counts, device="cuda").cumsum(0).to(torch.int32)
+    casts, padded_ends = weight_grad_operands(counts, grad, x_8)
+    g_t, x_t = casts()
+    return {"bf16_wgrad_us": local_median_us(lambda: torch._grouped_mm(grad.t(), x, offs=ends)),
+            "cuda_fp8_wgrad_us": local_median_us(lambda: fp8_extension().fp8_depth_grouped_mm(*g_t, *x_t, padded_ends)),
+            "cuda_fp8_wgrad_casts_us": local_median_us(casts)}
 
 
 def bench_experts(num_experts: int, rows: int, profile: bool) -> dict:
@@ -184,12 +226,16 @@ def bench_experts(num_experts: int, rows: int, profile: bool) -> dict:
 
     results = {"rows": x.size(0), "gemm": "cuda" if gemm.cuda_kernel_runs(x, x) else "triton"}
     for name in EXPERT_RUNS:
-        mlp.use_fp8, mlp.cache_fp8_weights = name != "bf16", name == "fp8_cached"
+        if name == "fp8_cached_wgrad" and results["gemm"] != "cuda":
+            continue
+        mlp.use_fp8, mlp.cache_fp8_weights = name != "bf16", name.startswith("fp8_cached")
+        mlp.fp8_weight_grads = name == "fp8_cached_wgrad"
         results[f"{name}_us"] = local_median_us(step, warmup=3, iters=10)
         results[f"{name}_speedup"] = results["bf16_us"] / results[f"{name}_us"]
     if results["gemm"] == "cuda":  # the FP8 runs again on the Triton GEMMs
         runs_cuda = gemm.cuda_kernel_runs
         gemm.cuda_kernel_runs = lambda a, b: False
+        mlp.fp8_weight_grads = False
         for name in ("fp8", "fp8_cached"):
             mlp.cache_fp8_weights = name == "fp8_cached"
             results[f"triton_{name}_us"] = local_median_us(step, warmup=3, iters=10)
@@ -242,6 +288,11 @@ def gemm_lines(results: dict) -> list[str]:
             bitwise = f"{r[f'cuda_{op}_bitwise_share']:7.4f}" if f"cuda_{op}_bitwise_share" in r else f"{'-':>7s}"
             lines.append(f"{proj + ' ' + op:16s} {r[f'bf16_{op}_us']:8.0f} {r[f'fp8_{op}_us']:8.0f} "
                          f"{r[f'fp8_{op}_tflops']:6.0f} {cuda} {r[f'{op}_rel_err']:8.1e} {bitwise}  {r[f'{op}_tile']}")
+        if "cuda_fp8_wgrad_us" in r:
+            lines.append(f"{proj + ' wgrad':16s} {r['bf16_wgrad_us']:8.0f} {'-':>8s} {'-':>6s} "
+                         f"{r['cuda_fp8_wgrad_us']:8.0f} {r['cuda_fp8_wgrad_tflops']:6.0f} "
+                         f"{r['cuda_fp8_over_bf16_wgrad']:9.2f} {r['wgrad_rel_err']:8.1e} {'-':>7s}  "
+                         f"+ casts {r['cuda_fp8_wgrad_casts_us']:.0f} us")
     return lines
 
 
@@ -249,7 +300,8 @@ def expert_lines(results: dict) -> list[str]:
     e = results["experts"]
     lines = [f"experts fwd+bwd ({e['rows']} rows, {e['gemm']} FP8 GEMMs)  time(us)  vs bf16"]
     for name, label in EXPERT_RUNS.items():
-        lines.append(f"  {label:30s} {e[f'{name}_us']:9.0f}  {e[f'{name}_speedup']:5.2f}x")
+        if f"{name}_us" in e:
+            lines.append(f"  {label:30s} {e[f'{name}_us']:9.0f}  {e[f'{name}_speedup']:5.2f}x")
     for name in ("fp8", "fp8_cached"):
         if f"triton_{name}_us" in e:
             label = EXPERT_RUNS[name] + " (triton)"

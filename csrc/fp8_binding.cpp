@@ -28,36 +28,37 @@ void check_operand(const Tensor& t, const char* name, int64_t dims) {
     }
 }
 
-Tensor fp8_grouped_mm(const Tensor& a, const Tensor& a_scales, const Tensor& b, const Tensor& b_scales,
-                      const Tensor& ends) {
+void check_scales(const Tensor& scales, const char* name, at::IntArrayRef expected) {
+    TORCH_CHECK_TYPE(scales.scalar_type() == at::kFloat, name, ": expected float32, got ", scales.scalar_type());
+    TORCH_CHECK_VALUE(scales.sizes() == expected, name, ": expected shape ", expected, ", got ", scales.sizes());
+}
+
+// The checks and launch both groupings share: `b` is `[E, n_out, depth]` by rows, `[n_out, depth]`
+// by depth; `out` is allocated by the caller.
+Tensor launch_gemm(const Tensor& a, const Tensor& a_scales, const Tensor& b, const Tensor& b_scales,
+                   const Tensor& ends, int64_t num_experts, bool group_depth) {
     TORCH_CHECK(kernels::fp8_grouped_gemm_supported(),
-                "fp8_grouped_mm: moe_ep._fp8 was not built for sm_90a or the driver cannot encode TMA maps");
-    check_operand(a, "a", 2);
-    check_operand(b, "b", 3);
-    const int64_t num_rows = a.size(0), depth = a.size(1), num_experts = b.size(0), n_out = b.size(1);
-    const int64_t tile = kernels::fp8_grouped_gemm_tile();
-    TORCH_CHECK_VALUE(b.size(2) == depth && depth % tile == 0 && n_out % tile == 0, "a ", a.sizes(), ", b ",
-                      b.sizes(), ": K must match and K and N_OUT be multiples of ", tile);
-    TORCH_CHECK_VALUE(num_experts >= 1 && num_rows < (int64_t{1} << 31), "a, b: expected at least one expert and "
-                      "fewer than 2^31 rows, got ", num_experts, " experts and ", num_rows, " rows");
-    TORCH_CHECK_TYPE(a_scales.scalar_type() == at::kFloat && b_scales.scalar_type() == at::kFloat,
-                     "a_scales, b_scales: expected float32");
-    TORCH_CHECK_VALUE(a_scales.sizes() == at::IntArrayRef({num_rows, depth / tile}), "a_scales: expected shape [",
-                      num_rows, ", ", depth / tile, "], got ", a_scales.sizes());
-    TORCH_CHECK_VALUE(b_scales.sizes() == at::IntArrayRef({num_experts, n_out / tile, depth / tile}),
-                      "b_scales: expected shape [", num_experts, ", ", n_out / tile, ", ", depth / tile, "], got ",
-                      b_scales.sizes());
-    TORCH_CHECK_VALUE(ends.scalar_type() == at::kInt && ends.sizes() == at::IntArrayRef({num_experts}),
-                      "ends: expected int32 [", num_experts, "], got ", ends.scalar_type(), " ", ends.sizes());
+                "moe_ep._fp8 was not built for sm_90a or the driver cannot encode TMA maps");
+    TORCH_CHECK_VALUE(a.is_cuda(), "a: expected a CUDA tensor");
     for (const Tensor* t : {&a_scales, &b, &b_scales, &ends}) {
         TORCH_CHECK_VALUE(t->device() == a.device(), "a_scales, b, b_scales, ends: expected every tensor on ",
                           a.device(), ", got ", t->device());
     }
-    TORCH_CHECK_VALUE(a.is_cuda(), "a: expected a CUDA tensor");
+    const int64_t num_rows = a.size(0), depth = a.size(1), n_out = b.size(-2);
+    const int64_t tile = kernels::fp8_grouped_gemm_tile();
+    TORCH_CHECK_VALUE(b.size(-1) == depth && depth % tile == 0 && n_out % tile == 0, "a ", a.sizes(), ", b ",
+                      b.sizes(), ": K must match and K and N_OUT be multiples of ", tile);
+    TORCH_CHECK_VALUE(num_experts >= 1 && num_rows < (int64_t{1} << 31) && depth < (int64_t{1} << 31),
+                      "a, b: expected at least one expert and fewer than 2^31 rows and columns, got ", num_experts,
+                      " experts and a ", a.sizes());
+    TORCH_CHECK_VALUE(ends.scalar_type() == at::kInt && ends.sizes() == at::IntArrayRef({num_experts}),
+                      "ends: expected int32 [", num_experts, "], got ", ends.scalar_type(), " ", ends.sizes());
+    check_scales(a_scales, "a_scales", {num_rows, depth / tile});
     const Tensor ends_dense = ends.contiguous();
     const c10::cuda::CUDAGuard guard(a.device());
-    Tensor out = at::empty({num_rows, n_out}, a.options().dtype(at::kBFloat16));
-    if (num_rows == 0) return out;
+    const auto bf16 = a.options().dtype(at::kBFloat16);
+    Tensor out = group_depth ? at::empty({num_experts, num_rows, n_out}, bf16) : at::empty({num_rows, n_out}, bf16);
+    if (out.numel() == 0) return out;
     kernels::Fp8GroupedGemmArgs args{};
     args.a = a.data_ptr();
     args.a_row_stride = a.stride(0);
@@ -65,22 +66,43 @@ Tensor fp8_grouped_mm(const Tensor& a, const Tensor& a_scales, const Tensor& b, 
     args.a_scale_row_stride = a_scales.stride(0);
     args.a_scale_k_stride = a_scales.stride(1);
     args.b = b.data_ptr();
-    args.b_row_stride = b.stride(1);
-    args.b_expert_stride = b.stride(0);
+    args.b_row_stride = b.stride(-2);
+    args.b_expert_stride = group_depth ? b.stride(-2) * n_out : b.stride(0);
     args.b_scales = b_scales.data_ptr<float>();
-    args.b_scale_expert_stride = b_scales.stride(0);
-    args.b_scale_row_stride = b_scales.stride(1);
-    args.b_scale_k_stride = b_scales.stride(2);
+    args.b_scale_expert_stride = group_depth ? 0 : b_scales.stride(0);
+    args.b_scale_row_stride = b_scales.stride(-2);
+    args.b_scale_k_stride = b_scales.stride(-1);
     args.ends = ends_dense.data_ptr<int>();
     args.out = reinterpret_cast<__nv_bfloat16*>(out.data_ptr());
-    args.out_row_stride = out.stride(0);
+    args.out_row_stride = out.stride(-2);
+    args.out_expert_stride = group_depth ? out.stride(0) : 0;
+    args.group_depth = group_depth;
     args.num_rows = static_cast<int>(num_rows);
     args.depth = static_cast<int>(depth);
     args.n_out = static_cast<int>(n_out);
     args.num_experts = static_cast<int>(num_experts);
     const cudaError_t err = kernels::launch_fp8_grouped_gemm(args, c10::cuda::getCurrentCUDAStream());
-    TORCH_CHECK(err == cudaSuccess, "fp8_grouped_mm: launch failed: ", cudaGetErrorString(err));
+    TORCH_CHECK(err == cudaSuccess, "FP8 grouped GEMM: launch failed: ", cudaGetErrorString(err));
     return out;
+}
+
+Tensor fp8_grouped_mm(const Tensor& a, const Tensor& a_scales, const Tensor& b, const Tensor& b_scales,
+                      const Tensor& ends) {
+    check_operand(a, "a", 2);
+    check_operand(b, "b", 3);
+    const int64_t tile = kernels::fp8_grouped_gemm_tile();
+    check_scales(b_scales, "b_scales", {b.size(0), b.size(1) / tile, b.size(2) / tile});
+    return launch_gemm(a, a_scales, b, b_scales, ends, b.size(0), false);
+}
+
+Tensor fp8_depth_grouped_mm(const Tensor& a, const Tensor& a_scales, const Tensor& b, const Tensor& b_scales,
+                            const Tensor& ends) {
+    check_operand(a, "a", 2);
+    check_operand(b, "b", 2);
+    const int64_t tile = kernels::fp8_grouped_gemm_tile();
+    TORCH_CHECK_VALUE(a.size(0) % tile == 0, "a: expected rows in a multiple of ", tile, ", got ", a.sizes());
+    check_scales(b_scales, "b_scales", {b.size(0) / tile, b.size(1) / tile});
+    return launch_gemm(a, a_scales, b, b_scales, ends, ends.numel(), true);
 }
 
 std::tuple<Tensor, Tensor, Tensor> fp8_weight_cast(const Tensor& w, double amax_floor) {
@@ -128,16 +150,21 @@ std::tuple<Tensor, Tensor, Tensor> fp8_weight_cast(const Tensor& w, double amax_
 }  // namespace moe_ep
 
 PYBIND11_MODULE(_fp8, m) {
+    using moe_ep::fp8_depth_grouped_mm;
     using moe_ep::fp8_grouped_mm;
     using moe_ep::fp8_weight_cast;
     namespace kernels = moe_ep::kernels;
-    m.doc() = "moe_ep FP8 expert kernels (sm_90a): grouped blockwise GEMM, weight cast";
+    m.doc() = "moe_ep FP8 expert kernels (sm_90a): grouped blockwise GEMMs (by rows, by depth), weight cast";
     m.def("fp8_weight_cast", &fp8_weight_cast, py::arg("w"), py::arg("amax_floor"),
           "128x128 blockwise e4m3 cast of BF16 [..., N, K] weights: (q, scales [..., N/128, K/128], q_t [..., K, N]).");
     m.def("fp8_grouped_mm", &fp8_grouped_mm, py::arg("a"), py::arg("a_scales"), py::arg("b"), py::arg("b_scales"),
           py::arg("ends"),
           "Grouped e4m3 GEMM with 1x128 / 128x128 block scales: [N, K] x [E, N_OUT, K] -> [N, N_OUT] BF16; rows "
           "from ends[-1] on are zeros.");
+    m.def("fp8_depth_grouped_mm", &fp8_depth_grouped_mm, py::arg("a"), py::arg("a_scales"), py::arg("b"),
+          py::arg("b_scales"), py::arg("ends"),
+          "Depth-grouped e4m3 GEMM (weight gradients) with 1x128 / 128x128 block scales: out[e] = a[:, K_e] @ "
+          "b[:, K_e]^T, K_e = [ends[e-1], ends[e]) (multiples of 128): [M, K] x [N_OUT, K] -> [E, M, N_OUT] BF16.");
     m.def("fp8_grouped_mm_supported", &kernels::fp8_grouped_gemm_supported,
           "Whether the grouped FP8 GEMM can run here (sm_90a build, TMA map encoder found).");
 }

@@ -291,6 +291,67 @@ def test_fp8_backward_is_the_straight_through_gradient() -> None:
         assert relative_error(g, w) < 0.025, name
 
 
+def test_fp8_weight_grads_are_the_column_cast_products() -> None:
+    """With `fp8_weight_grads` the forward and the input gradient are unchanged; each weight gradient
+    is `grad.T @ x` of the operands cast along the tokens (`per_column_segments_cast_to_fp8`), and
+    stays within the FP8 bound of the exact gradient."""
+    exact = make_experts()
+    upstream = torch.randn(NUM_ROWS, HIDDEN, generator=generator(3), dtype=torch.float64)
+    x = tokens().bfloat16()
+    bf16_grads = run_with_grads(clone_experts(exact, torch.bfloat16, use_fp8=True), x, upstream)
+    module = clone_experts(exact, torch.bfloat16, use_fp8=True)
+    module.fp8_weight_grads = True
+    fp8_grads = run_with_grads(module, x, upstream)
+    want = reference_with_grads(exact, tokens(), upstream)
+    assert torch.equal(fp8_grads[0], bf16_grads[0]) and torch.equal(fp8_grads[1], bf16_grads[1])
+    for name, g, b, w in zip(("dgate_up", "ddown"), fp8_grads[2:], bf16_grads[2:], want[2:]):
+        assert g.dtype == torch.bfloat16 and torch.isfinite(g).all(), name
+        assert relative_error(g, w) < FP8_GRAD_BOUND, name
+        assert relative_error(g, b) > 1e-3, name  # really computed differently
+    assert (fp8_grads[2][1] == 0).all() and (fp8_grads[3][1] == 0).all()  # expert 1 has no tokens
+
+
+def test_fp8_grouped_weight_grad_formula() -> None:
+    counts = [5, 0, 11, 7]
+    grad = torch.randn(NUM_ROWS, 2 * INTER, generator=generator(5)).bfloat16()
+    x = fp8.per_token_cast_to_fp8(tokens(junk=0.0).bfloat16())
+    seg = experts_module.ExpertSegments(counts_tensor(counts), NUM_ROWS)
+    got = experts_module.fp8_grouped_weight_grad(grad, x, seg)
+    starts, lengths = torch.tensor([0, 5, 5, 16]), torch.tensor(counts)
+    g_t = fp8.per_token_cast_back(*fp8.per_column_segments_cast_to_fp8(grad, starts, lengths, block_scales=False),
+                                  torch.float64)
+    x_t = fp8.per_block_cast_back(*fp8.per_column_segments_cast_to_fp8(
+        fp8.per_token_cast_back(*x, torch.float32), starts, lengths, block_scales=True), torch.float64)
+    assert got.shape == (NUM_EXPERTS, 2 * INTER, HIDDEN) and got.dtype == torch.bfloat16
+    for e, column in enumerate([0, 128, 128, 256]):
+        want = g_t[:, column:column + counts[e]] @ x_t[:, column:column + counts[e]].t()
+        torch.testing.assert_close(got[e].double(), want, rtol=2 ** -8, atol=1e-6)
+
+
+def test_fp8_weight_grads_in_the_packed_layout() -> None:
+    module = make_experts(torch.bfloat16, use_fp8=True)
+    module.fp8_weight_grads = True
+    slots, counts = 16, [5, 0, 11, 7]
+    x = torch.randn(NUM_EXPERTS, slots, HIDDEN, generator=generator(4)).bfloat16()
+    q, scales = fp8.per_token_cast_to_fp8(x)
+    for e, count in enumerate(counts):
+        q[e, count:] = float("nan")
+    module((q, scales), counts_tensor(counts)).float().sum().backward()
+    dense = GroupedMLP(NUM_EXPERTS, HIDDEN, INTER, use_fp8=True, fp8_weight_grads=True, dtype=torch.bfloat16)
+    dense.load_state_dict(module.state_dict())
+    rows = torch.cat([q[e, :count] for e, count in enumerate(counts)]), torch.cat(
+        [scales[e, :count] for e, count in enumerate(counts)])
+    dense(rows, counts_tensor(counts)).float().sum().backward()
+    assert torch.equal(module.gate_up_proj.grad, dense.gate_up_proj.grad)
+    assert torch.equal(module.down_proj.grad, dense.down_proj.grad)
+    assert module.down_proj.grad[2].abs().sum() > 0
+
+
+def test_fp8_weight_grads_need_fp8() -> None:
+    with pytest.raises(ValueError, match="fp8_weight_grads"):
+        GroupedMLP(NUM_EXPERTS, HIDDEN, INTER, fp8_weight_grads=True)
+
+
 def zero_carrier(num_rows: int) -> torch.Tensor:
     return torch.zeros((), dtype=torch.bfloat16).expand(num_rows, HIDDEN).requires_grad_()
 

@@ -75,3 +75,32 @@ def test_block_cast_error_bound(shape: tuple[int, ...]) -> None:
     expanded = scales.repeat_interleave(128, -2).repeat_interleave(128, -1)[..., :shape[-2], :shape[-1]]
     bound = torch.maximum(w.abs() * E4M3_REL_STEP / 2, expanded * 2.0 ** -9)
     assert ((back - w).abs() <= bound * (1 + 1e-6)).all()
+
+
+def test_padded_segment_ends() -> None:
+    counts = torch.tensor([5, 0, 128, 129, 256], dtype=torch.int32)
+    assert fp8.padded_segment_ends(counts).tolist() == [128, 128, 256, 512, 768]
+    assert fp8.padded_columns_bound(5 + 128 + 129 + 256, 5) >= 768
+
+
+@pytest.mark.parametrize("block_scales", [False, True])
+def test_per_column_segments_cast_layout(block_scales: bool) -> None:
+    """Each segment transposed into its own 128-padded columns, zeros around it, cast along the tokens."""
+    x = _random((300, 256), 7)
+    starts, counts = torch.tensor([0, 140, 140, 150]), torch.tensor([140, 0, 10, 137])  # rows 287.. are junk
+    x[287:] = float("nan")
+    q, scales = fp8.per_column_segments_cast_to_fp8(x, starts, counts, block_scales=block_scales)
+    assert q.shape == (256, fp8.padded_columns_bound(300, 4))
+    assert scales.shape == ((2 if block_scales else 256), q.size(1) // 128)
+    back = (fp8.per_block_cast_back if block_scales else fp8.per_token_cast_back)(q, scales, torch.float32)
+    placed = [(0, 0, 140), (256, 140, 10), (384, 150, 137)]  # (first column, first row, rows)
+    covered = torch.zeros(q.size(1), dtype=torch.bool)
+    for column, row, rows in placed:
+        want = x[row:row + rows].t()
+        got = back[:, column:column + rows]
+        assert ((got - want).abs() <= want.abs() * E4M3_REL_STEP / 2 + scales.max() * 2.0 ** -9).all()
+        covered[column:column + rows] = True
+    assert (q[:, ~covered].float() == 0).all()
+    if not block_scales:  # one scale per feature per 128 tokens: the second block of segment 0 is 12 tokens
+        assert torch.equal(scales[:, 1], fp8.per_token_cast_to_fp8(
+            torch.nn.functional.pad(x[128:140].t(), (0, 116)))[1][:, 0])

@@ -149,3 +149,31 @@ def test_casts_reject_bad_input() -> None:
         casts.per_block_cast_to_fp8_with_transpose(torch.zeros(128, device=DEVICE))
     with pytest.raises(TypeError, match="w"):
         casts.per_block_cast_to_fp8_with_transpose(torch.zeros(128, 128, dtype=torch.float64, device=DEVICE))
+
+
+@pytest.mark.parametrize("block_scales", [False, True], ids=["per_channel", "blocks"])
+@pytest.mark.parametrize("fp8_input", [False, True], ids=["bf16_rows", "fp8_rows"])
+def test_per_column_segments_cast_is_bitwise_the_reference(block_scales: bool, fp8_input: bool) -> None:
+    """Skewed segments (one empty, one over two column blocks, one exactly 128) with junk rows
+    between and after them; BF16 rows or 1x128 e4m3 rows with their scales."""
+    x = awkward_rows(420, 2 * fp8.BLOCK, seed=8)[torch.randperm(420, generator=torch.Generator().manual_seed(8))]
+    starts, counts = torch.tensor([0, 131, 131, 270, 300]), torch.tensor([131, 0, 128, 30, 101])
+    x[259:270] = float("nan")  # rows of no segment
+    x[401:] = float("nan")
+    ends = fp8.padded_segment_ends(counts)
+    if fp8_input:
+        rows = fp8.per_token_cast_to_fp8(x)
+        dense = fp8.per_token_cast_back(*rows, torch.float32)
+        args = (rows[0].to(DEVICE), rows[1].to(DEVICE))
+    else:
+        dense = x.bfloat16()
+        args = (dense.to(DEVICE), None)
+    device_index = (starts.int().to(DEVICE), counts.int().to(DEVICE), ends.to(DEVICE))
+    q, scales = casts.per_column_segments_cast_to_fp8(*args, *device_index, block_scales=block_scales)
+    want_q, want_scales = fp8.per_column_segments_cast_to_fp8(dense, starts, counts, block_scales=block_scales)
+    written = int(ends[-1])
+    assert q.shape == want_q.shape and scales.shape == want_scales.shape
+    assert_same_fp8(q[:, :written], want_q[:, :written])
+    assert torch.equal(scales.cpu()[:, :written // fp8.BLOCK], want_scales[:, :written // fp8.BLOCK])
+    if not block_scales:
+        assert scales.stride(0) == 1  # rows adjacent, as the GEMM reads them

@@ -306,6 +306,7 @@ def test_jitter_only_in_training() -> None:
     (dict(score_func="relu"), "score_func"),
     (dict(hidden_size=96, use_fp8_dispatch=True), "hidden_size"),
     (dict(moe_intermediate_size=96, use_fp8_experts=True), "moe_intermediate_size"),
+    (dict(use_fp8_dispatch=True, use_fp8_weight_grads=True), "use_fp8_weight_grads"),
     (dict(capacity_factor=0.0), "capacity_factor"),
     (dict(drop_policy="random"), "drop_policy"),
     (dict(shared_expert_gate=True), "shared_expert_gate"),

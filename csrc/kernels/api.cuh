@@ -238,9 +238,15 @@ cudaError_t launch_combine(const CombineArgs& args, const CommContext& comm, cud
 // Grouped FP8 GEMM with blockwise scaling (csrc/kernels/fp8_gemm.cu, sm_90a)
 // ---------------------------------------------------------------------------------------------
 
-// out[rows of e] = (a * a_scales) @ (b[e] * b_scales[e])^T for every expert e owning the rows
-// [ends[e-1], ends[e]) of `a`; rows from ends[E-1] on become zeros. Strides in elements unless named
-// bytes; K (innermost) contiguous in `a` and `b`, and a, b and their byte strides 16-byte aligned.
+// Grouped by rows (the experts' forward and input gradients): out[rows of e] = (a * a_scales) @
+// (b[e] * b_scales[e])^T for every expert e owning the rows [ends[e-1], ends[e]) of `a`; rows from
+// ends[E-1] on become zeros.
+// Grouped by depth (the experts' weight gradients, `group_depth`): out[e] = (a[:, K_e] * a_scales) @
+// (b[0][:, K_e] * b_scales[0])^T for every expert e, K_e = [ends[e-1], ends[e]) (multiples of 128) of
+// the one `a [num_rows, depth]` and `b [1, n_out, depth]`; `out [E, num_rows, n_out]`, num_rows a
+// multiple of 128; an expert without columns gets zeros.
+// Strides in elements unless named bytes; K (innermost) contiguous in `a` and `b`, and a, b and their
+// byte strides 16-byte aligned.
 struct Fp8GroupedGemmArgs {
     const void* a;               // [num_rows, depth] e4m3
     int64_t a_row_stride;        // bytes
@@ -255,8 +261,10 @@ struct Fp8GroupedGemmArgs {
     int64_t b_scale_row_stride;
     int64_t b_scale_k_stride;
     const int* ends;             // [num_experts] cumulative segment ends
-    __nv_bfloat16* out;          // [num_rows, n_out]
+    __nv_bfloat16* out;          // [num_rows, n_out], or [num_experts, num_rows, n_out] grouped by depth
     int64_t out_row_stride;
+    int64_t out_expert_stride;   // grouped by depth only
+    bool group_depth;
     int num_rows;
     int depth;                   // K, a multiple of the tile
     int n_out;                   // a multiple of the tile

@@ -1,9 +1,12 @@
 // Grouped FP8 GEMM with DeepSeek-V3 blockwise scaling on Hopper tensor cores (TMA + wgmma, sm_90a).
 //
-// For every expert e owning the contiguous rows [ends[e-1], ends[e]) of `a`:
+// Grouped by rows, for every expert e owning the contiguous rows [ends[e-1], ends[e]) of `a`:
 //     out[rows of e] = (a * a_scales) @ (b[e] * b_scales[e])^T, accumulated in FP32, rounded to BF16,
 // with `a [N, K]` e4m3 and one float scale per row per 128 columns, `b [E, N_OUT, K]` e4m3 and one
 // float scale per 128x128 block. Rows from ends[E-1] on are written as zeros.
+// Grouped by depth (weight gradients), every expert e contracts its own K range of one `a` and one `b`:
+//     out[e] = (a[:, K_e] * a_scales) @ (b[:, K_e] * b_scales)^T, K_e = [ends[e-1], ends[e]).
+// Both are the same tiles and K loop; only where a tile's rows, K range and output come from differs.
 //
 // A block computes one 128x128 output tile. One producer thread streams the tile's 128x128-byte K
 // blocks of `a` and `b` through a ring of shared-memory stages with TMA, in the 128-byte swizzled
@@ -40,6 +43,8 @@ struct alignas(kSwizzleBytes) GemmSmem {
     int expert;               // num_experts: a tile of zero rows past the last segment
     int row_begin;
     int row_end;
+    int k_block_begin;        // the tile's K range, in 128-deep blocks
+    int k_block_end;
 };
 template <int kBlockN>
 constexpr size_t kSmemBytes = sizeof(GemmSmem<kBlockN>) + kSwizzleBytes;  // room to align the base
@@ -84,6 +89,18 @@ MOE_EP_DEVICE void locate_row_tile(const int* ends, int num_experts, int num_row
     expert = num_experts;
     row_begin = min(max(ends[num_experts - 1], 0), num_rows) + (row_slot - tiles_before) * kTile;
     row_end = min(row_begin + kTile, num_rows);
+}
+
+// Grouped by depth: launch slot `row_slot` is row tile `row_slot % row_tiles` of expert
+// `row_slot / row_tiles`, whose K blocks are [ends[e-1], ends[e]) / 128 (clamped to the depth).
+MOE_EP_DEVICE void locate_depth_tile(const Fp8GroupedGemmArgs& args, int row_slot, int& expert, int& row_begin,
+                                     int& k_block_begin, int& k_block_end) {
+    const int row_tiles = args.num_rows / kTile;
+    expert = row_slot / row_tiles;
+    row_begin = (row_slot % row_tiles) * kTile;
+    const int k_begin = expert > 0 ? args.ends[expert - 1] : 0;
+    k_block_begin = min(max(k_begin, 0), args.depth) / kTile;
+    k_block_end = max(min(args.ends[expert], args.depth) / kTile, k_block_begin);
 }
 
 MOE_EP_DEVICE void mbar_spin(uint64_t* bar, uint32_t parity) {
@@ -176,9 +193,17 @@ __global__ void __launch_bounds__(kThreads, 1)
     const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
 
     if (warp == 0) {
-        int expert, row_begin, row_end;
-        locate_row_tile(args.ends, args.num_experts, args.num_rows, row_slot, lane, expert, row_begin, row_end);
-        if (lane == 0) smem.expert = expert, smem.row_begin = row_begin, smem.row_end = row_end;
+        int expert, row_begin, row_end, k_block_begin = 0, k_block_end = args.depth / kTile;
+        if (args.group_depth) {
+            locate_depth_tile(args, row_slot, expert, row_begin, k_block_begin, k_block_end);
+            row_end = row_begin + kTile;
+        } else {
+            locate_row_tile(args.ends, args.num_experts, args.num_rows, row_slot, lane, expert, row_begin, row_end);
+        }
+        if (lane == 0) {
+            smem.expert = expert, smem.row_begin = row_begin, smem.row_end = row_end;
+            smem.k_block_begin = k_block_begin, smem.k_block_end = k_block_end;
+        }
     } else if (threadIdx.x == 32) {
         for (int s = 0; s < kStages; ++s) {
             mbar_init(&smem.full[s], 1);
@@ -188,13 +213,15 @@ __global__ void __launch_bounds__(kThreads, 1)
     }
     __syncthreads();
     const int expert = smem.expert, row_begin = smem.row_begin, row_end = smem.row_end;
-    __nv_bfloat16* out = args.out + col_tile * kBlockN;
+    const int k_block_begin = smem.k_block_begin, num_k_blocks = smem.k_block_end - smem.k_block_begin;
+    __nv_bfloat16* out = args.out + (args.group_depth ? expert * args.out_expert_stride : 0) + col_tile * kBlockN;
     if (row_begin >= row_end) return;
     if (expert == args.num_experts) {
         zero_rows<kBlockN>(out, args.out_row_stride, row_begin, row_end);
         return;
     }
-    const int num_k_blocks = args.depth / kTile;
+    // Grouped by depth, every expert reads the one `b`.
+    const int b_expert = args.group_depth ? 0 : expert;
     const int warpgroup = threadIdx.x / 128;
 
     if (warpgroup == kMathWarpgroups) {
@@ -202,10 +229,11 @@ __global__ void __launch_bounds__(kThreads, 1)
         if (threadIdx.x % 128 == 0) {
             for (int kb = 0; kb < num_k_blocks; ++kb) {
                 const int stage = kb % kStages;
+                const int k = (k_block_begin + kb) * kTile;
                 if (kb >= kStages) mbar_spin(&smem.empty[stage], (kb / kStages - 1) & 1);
                 mbar_arrive_expect_tx(&smem.full[stage], (kTile + kBlockN) * kTile);
-                tma_load_2d(smem.a[stage], &a_map, &smem.full[stage], kb * kTile, row_begin);
-                tma_load_3d(smem.b[stage], &b_map, &smem.full[stage], kb * kTile, col_tile * kBlockN, expert);
+                tma_load_2d(smem.a[stage], &a_map, &smem.full[stage], k, row_begin);
+                tma_load_3d(smem.b[stage], &b_map, &smem.full[stage], k, col_tile * kBlockN, b_expert);
             }
         }
     } else {
@@ -216,16 +244,24 @@ __global__ void __launch_bounds__(kThreads, 1)
         const int row_0 = row_begin + warpgroup * 64 + (warp % 4) * 16 + lane / 4;
         const int row_1 = row_0 + 8;
         // Rows past the end still go through the tensor cores (TMA fills them); their scale rows are clamped.
-        const float* a_scale_0 = args.a_scales + min(row_0, args.num_rows - 1) * args.a_scale_row_stride;
-        const float* a_scale_1 = args.a_scales + min(row_1, args.num_rows - 1) * args.a_scale_row_stride;
-        const float* b_scale =
-            args.b_scales + expert * args.b_scale_expert_stride + col_tile * kColumnBlocks * args.b_scale_row_stride;
+        const int64_t k_scale_begin = k_block_begin * args.a_scale_k_stride;
+        const float* a_scale_0 =
+            args.a_scales + min(row_0, args.num_rows - 1) * args.a_scale_row_stride + k_scale_begin;
+        const float* a_scale_1 =
+            args.a_scales + min(row_1, args.num_rows - 1) * args.a_scale_row_stride + k_scale_begin;
+        const float* b_scale = args.b_scales + b_expert * args.b_scale_expert_stride +
+                               col_tile * kColumnBlocks * args.b_scale_row_stride +
+                               k_block_begin * args.b_scale_k_stride;
         float acc[kAccum], part[kPart];
 #pragma unroll
         for (int i = 0; i < kAccum; ++i) acc[i] = 0.0f;
-        float a_0 = a_scale_0[0], a_1 = a_scale_1[0], b[kColumnBlocks];
+        // Scales of the first K block (never read past the end: an expert without K blocks reads none).
+        float a_0 = 0.0f, a_1 = 0.0f, b[kColumnBlocks] = {};
+        if (num_k_blocks > 0) {
+            a_0 = a_scale_0[0], a_1 = a_scale_1[0];
 #pragma unroll
-        for (int c = 0; c < kColumnBlocks; ++c) b[c] = b_scale[c * args.b_scale_row_stride];
+            for (int c = 0; c < kColumnBlocks; ++c) b[c] = b_scale[c * args.b_scale_row_stride];
+        }
         for (int kb = 0; kb < num_k_blocks; ++kb) {
             const int stage = kb % kStages;
             mbar_spin(&smem.full[stage], (kb / kStages) & 1);
@@ -315,7 +351,7 @@ cudaError_t launch_tiles(const Fp8GroupedGemmArgs& args, cudaStream_t stream) {
     const cuuint64_t a_dims[2] = {static_cast<cuuint64_t>(args.depth), static_cast<cuuint64_t>(args.num_rows)};
     const cuuint64_t a_strides[1] = {static_cast<cuuint64_t>(args.a_row_stride)};
     const cuuint64_t b_dims[3] = {static_cast<cuuint64_t>(args.depth), static_cast<cuuint64_t>(args.n_out),
-                                  static_cast<cuuint64_t>(args.num_experts)};
+                                  static_cast<cuuint64_t>(args.group_depth ? 1 : args.num_experts)};
     const cuuint64_t b_strides[2] = {static_cast<cuuint64_t>(args.b_row_stride),
                                      static_cast<cuuint64_t>(args.b_expert_stride)};
     if (!encode_operand_map(&a_map, args.a, 2, a_dims, a_strides, kTile) ||
@@ -327,8 +363,11 @@ cudaError_t launch_tiles(const Fp8GroupedGemmArgs& args, cudaStream_t stream) {
         cudaFuncSetAttribute(fp8_grouped_gemm_kernel<kBlockN>, cudaFuncAttributeMaxDynamicSharedMemorySize,
                              static_cast<int>(kSmemBytes<kBlockN>));
     if (attribute != cudaSuccess) return attribute;
-    // Every segment wastes at most one partial tile, and the zero tail takes at most one more.
-    const int row_slots = (args.num_rows + kTile - 1) / kTile + args.num_experts + 1;
+    // Grouped by rows, every segment wastes at most one partial tile, and the zero tail takes at most
+    // one more. Grouped by depth, the experts are slowest, so the blocks resident together read one
+    // expert's K range, which stays in L2.
+    const int row_slots = args.group_depth ? args.num_experts * (args.num_rows / kTile)
+                                           : (args.num_rows + kTile - 1) / kTile + args.num_experts + 1;
     const int blocks = row_slots * (args.n_out / kBlockN);
     fp8_grouped_gemm_kernel<kBlockN><<<blocks, kThreads, kSmemBytes<kBlockN>, stream>>>(a_map, b_map, args);
     return cudaGetLastError();

@@ -75,6 +75,8 @@ class MoEConfig:
     expert_alignment: Optional[int] = None
     use_fp8_dispatch: bool = False
     use_fp8_experts: bool = False
+    # The experts' weight gradients as FP8 GEMMs too (`GroupedMLP(fp8_weight_grads=True)`).
+    use_fp8_weight_grads: bool = False
 
     # Token dispatch: "normal" (training, prefill) or "low_latency" (the packed layout, at most
     # `low_latency_max_tokens` tokens per rank). `num_worst_tokens > 0` makes normal-mode shapes static
@@ -141,6 +143,8 @@ class MoEConfig:
         if self.use_fp8:
             _require(self.hidden_size % FP8_BLOCK == 0, "hidden_size",
                      f"a multiple of {FP8_BLOCK} with FP8 dispatch or experts", self.hidden_size)
+        _require(not self.use_fp8_weight_grads or self.use_fp8_experts, "use_fp8_weight_grads",
+                 "False unless use_fp8_experts", self.use_fp8_weight_grads)
         if self.use_fp8_experts:
             _require(self.moe_intermediate_size % FP8_BLOCK == 0, "moe_intermediate_size",
                      f"a multiple of {FP8_BLOCK} with FP8 experts", self.moe_intermediate_size)

@@ -17,6 +17,10 @@ GEMMs, one more rounding of the same straight-through gradient. Weight gradients
 the casts are fused Triton kernels (`fp8_casts`, bit for bit those of `moe_ep.ops.fp8`), the weight
 cast also writes each weight transposed, which the input-gradient GEMM reads, and the SwiGLU and its
 gradient are computed in float32 in the passes that cast their outputs to FP8.
+
+With `fp8_weight_grads`, the weight gradients are FP8 GEMMs too (`fp8_grouped_weight_grad`): both
+operands are cast along the tokens, each expert's tokens padded to 128, the output gradient with one
+scale per channel per 128 tokens and the activation with one per 128x128 block.
 """
 
 from __future__ import annotations
@@ -30,9 +34,10 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from ..ops.fp8 import (BLOCK, FP8_DTYPE, per_block_cast_back, per_block_cast_to_fp8, per_token_cast_back,
-                       per_token_cast_to_fp8, unpack_ue8m0)
+from ..ops.fp8 import (BLOCK, FP8_DTYPE, padded_segment_ends, per_block_cast_back, per_block_cast_to_fp8,
+                       per_column_segments_cast_to_fp8, per_token_cast_back, per_token_cast_to_fp8, unpack_ue8m0)
 from ..ops.validation import check_tensor
+from . import fp8_cuda
 
 FP8Tokens = tuple[torch.Tensor, torch.Tensor]
 """`(q float8_e4m3fn [..., H], scales)`: `per_token_cast_to_fp8` output (float32 or UE8M0 scales)."""
@@ -102,6 +107,12 @@ class ExpertSegments:
             raise ValueError(f"tokens_per_expert: the experts hold {bounds[-1]} rows but x has {self.num_rows}")
         return bounds
 
+    def starts_and_counts(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """Device `[E]` int32 first rows and row counts of the experts' (valid) rows."""
+        counts = self._tokens_per_expert.to(torch.int32)
+        segment_rows = self._rows_per_expert if self.packed else counts
+        return self.offsets - segment_rows, counts
+
     def ranges(self) -> list[tuple[int, int, int]]:
         """`(expert, begin, end)` of every expert's rows."""
         return [(e, b, end) for e, (b, end) in enumerate(zip(self.bounds[:-1], self.bounds[1:]))]
@@ -152,6 +163,31 @@ def grouped_weight_grad(grad: torch.Tensor, x: torch.Tensor, seg: ExpertSegments
     for e, begin, end in seg.ranges():
         out[e] = grad[begin:end].t() @ x[begin:end]
     return out
+
+
+def fp8_grouped_weight_grad(grad: torch.Tensor, x: FP8Tokens, seg: ExpertSegments) -> torch.Tensor:
+    """`grad[rows of e].T @ dequant(x)[rows of e]` in FP8: `[N, M], [N, K] -> [E, M, K]` BF16.
+
+    Both operands are cast along the tokens, every expert's tokens padded with zeros to a multiple of
+    128 (`per_column_segments_cast_to_fp8`): `grad` with one scale per channel per 128 tokens, `x`
+    (dequantized from its 1x128 cast) with one per 128x128 block, so that the GEMM applies one scale
+    per output row per K block, as the forward does. The product is the depth-grouped FP8 GEMM of
+    `moe_ep._fp8` where it runs, with the casts in Triton; elsewhere the reference: the same
+    products of the dequantized casts, accumulated in FP32.
+    """
+    starts, counts = seg.starts_and_counts()
+    padded_ends = padded_segment_ends(counts)
+    if _triton_fp8_available(grad.device) and fp8_cuda.runs_on(grad):
+        casts = _triton_fp8().casts
+        grad_t = casts.per_column_segments_cast_to_fp8(grad, None, starts, counts, padded_ends, block_scales=False)
+        x_t = casts.per_column_segments_cast_to_fp8(*x, starts, counts, padded_ends, block_scales=True)
+        return fp8_cuda.fp8_extension().fp8_depth_grouped_mm(*grad_t, *x_t, padded_ends)
+    grad_t = per_token_cast_back(*per_column_segments_cast_to_fp8(grad, starts, counts, block_scales=False),
+                                 dtype=torch.float32)
+    x_t = per_block_cast_back(*per_column_segments_cast_to_fp8(per_token_cast_back(*x, dtype=torch.float32), starts,
+                                                               counts, block_scales=True), dtype=torch.float32)
+    ends = [0] + padded_ends.tolist()
+    return torch.stack([grad_t[:, b:e] @ x_t[:, b:e].t() for b, e in zip(ends[:-1], ends[1:])]).to(torch.bfloat16)
 
 
 class _TritonFP8(NamedTuple):
@@ -284,7 +320,7 @@ class _FP8SwiGLU(torch.autograd.Function):
     @staticmethod
     def forward(ctx, q: torch.Tensor, scales: torch.Tensor, carrier: Optional[torch.Tensor],
                 gate_up_proj: torch.Tensor, down_proj: torch.Tensor, weights_8: tuple[FP8Weight, FP8Weight],
-                seg: ExpertSegments) -> torch.Tensor:
+                seg: ExpertSegments, fp8_weight_grads: bool) -> torch.Tensor:
         """`weights_8` are the FP8 casts of the two weights, which only receive the gradients."""
         gate_up_8, down_8 = weights_8
         # Contiguous segments need no masks here: the GEMMs write zeros past the last segment and
@@ -294,6 +330,7 @@ class _FP8SwiGLU(torch.autograd.Function):
         y = seg.mask_packed(fp8_grouped_linear(h_8, down_8, seg))
         ctx.save_for_backward(q, scales, z, *h_8, *gate_up_8, *down_8)
         ctx.seg = seg
+        ctx.fp8_weight_grads = fp8_weight_grads
         ctx.carrier_dtype = None if carrier is None else carrier.dtype
         ctx.weight_dtypes = (gate_up_proj.dtype, down_proj.dtype)
         return y
@@ -304,17 +341,22 @@ class _FP8SwiGLU(torch.autograd.Function):
         gate_up_8, down_8 = FP8Weight(*weights[:3]), FP8Weight(*weights[3:])
         seg: ExpertSegments = ctx.seg
         grad_y = seg.mask_packed(grad_y.to(torch.bfloat16).contiguous())
-        h = rows_from_fp8(h_q, h_scales)
-        grad_down = grouped_weight_grad(grad_y, h, seg)
+        grad_down = _weight_grad(grad_y, (h_q, h_scales), seg, ctx.fp8_weight_grads)
         grad_h = fp8_grouped_input_grad(grad_y, down_8, seg)
         grad_z, grad_z_8 = swiglu_backward(z, seg.mask_packed(grad_h))
-        x = seg.mask_packed(rows_from_fp8(q, scales))
-        grad_gate_up = grouped_weight_grad(grad_z, x, seg)
+        grad_gate_up = _weight_grad(grad_z, (q, scales), seg, ctx.fp8_weight_grads)
         grad_x = None
         if ctx.carrier_dtype is not None:
             grad_x = seg.mask_packed(fp8_grouped_input_grad(grad_z, gate_up_8, seg, grad_z_8)).to(ctx.carrier_dtype)
         gate_up_dtype, down_dtype = ctx.weight_dtypes
-        return None, None, grad_x, grad_gate_up.to(gate_up_dtype), grad_down.to(down_dtype), None, None
+        return None, None, grad_x, grad_gate_up.to(gate_up_dtype), grad_down.to(down_dtype), None, None, None
+
+
+def _weight_grad(grad: torch.Tensor, x: FP8Tokens, seg: ExpertSegments, in_fp8: bool) -> torch.Tensor:
+    """The experts' weight gradient against the FP8 activation `x`: in FP8, or in BF16 on its dequantized values."""
+    if in_fp8:
+        return fp8_grouped_weight_grad(grad, x, seg)
+    return grouped_weight_grad(grad, seg.mask_packed(rows_from_fp8(*x)), seg)
 
 
 def _float_scales(q: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
@@ -331,15 +373,16 @@ class GroupedMLP(nn.Module):
     up rows) and `down_proj [E, H, I]`, so expert `e` computes
     `gate, up = (x @ gate_up_proj[e].T).chunk(2)` and `(silu(gate) * up) @ down_proj[e].T`.
 
-    With `use_fp8`, the weights are cast to FP8 on every forward; `cache_fp8_weights` keeps the
+    With `use_fp8`, the weights are cast to FP8 on every forward, and `fp8_weight_grads` computes
+    the weight gradients in FP8 as well (`fp8_grouped_weight_grad`). `cache_fp8_weights` keeps the
     casts until a parameter's version counter moves (in-place updates: optimizer steps,
     `load_state_dict`). Leave it off where a wrapper refills parameter storage behind autograd's
     back (FSDP-style unsharding), since that may not move the counter.
     """
 
     def __init__(self, num_local_experts: int, hidden_size: int, intermediate_size: int, *, use_fp8: bool = False,
-                 cache_fp8_weights: bool = False, segment_alignment: int = 1, device: Optional[torch.device] = None,
-                 dtype: Optional[torch.dtype] = None) -> None:
+                 fp8_weight_grads: bool = False, cache_fp8_weights: bool = False, segment_alignment: int = 1,
+                 device: Optional[torch.device] = None, dtype: Optional[torch.dtype] = None) -> None:
         """`segment_alignment`: the multiple every contiguous expert segment is padded to (the
         dispatcher's `expert_alignment`); BF16 grouped GEMMs on CUDA need a multiple of 8."""
         super().__init__()
@@ -347,6 +390,9 @@ class GroupedMLP(nn.Module):
         if use_fp8 and (hidden_size % BLOCK or intermediate_size % BLOCK):
             raise ValueError(f"use_fp8: hidden_size ({hidden_size}) and intermediate_size ({intermediate_size}) "
                              f"must be multiples of {BLOCK}")
+        if fp8_weight_grads and not use_fp8:
+            raise ValueError("fp8_weight_grads: expected only with use_fp8=True")
+        self.fp8_weight_grads = fp8_weight_grads
         self.num_local_experts = num_local_experts
         self.hidden_size = hidden_size
         self.intermediate_size = intermediate_size
@@ -442,7 +488,8 @@ class GroupedMLP(nn.Module):
 
     def _fp8(self, q: torch.Tensor, scales: torch.Tensor, carrier: Optional[torch.Tensor],
              seg: ExpertSegments) -> torch.Tensor:
-        return _FP8SwiGLU.apply(q, scales, carrier, self.gate_up_proj, self.down_proj, self._fp8_weights(), seg)
+        return _FP8SwiGLU.apply(q, scales, carrier, self.gate_up_proj, self.down_proj, self._fp8_weights(), seg,
+                                self.fp8_weight_grads)
 
     @torch.no_grad()
     def _fp8_weights(self) -> tuple[FP8Weight, FP8Weight]:

@@ -6,6 +6,9 @@
 * `per_token_cast_back`: those rows back to bfloat16 (or float32).
 * `swiglu_to_fp8`, `swiglu_backward_to_fp8`: the experts' SwiGLU on `[gate, up]` rows and its
   gradient, in float32, fused with the 1x128 cast of their output (the next GEMM's operand).
+* `per_column_segments_cast_to_fp8`: the operands of the FP8 weight-gradient GEMM. Every expert's
+  segment of `[N, F]` rows, transposed to `[F, tokens]` and padded with zero columns to a multiple
+  of 128 tokens, cast along the tokens: one scale per feature per 128 tokens, or per 128x128 block.
 * `per_block_cast_to_fp8_with_transpose`: `[..., N, K]` weights to e4m3 with one scale per 128x128
   block, and in the same pass the transposed copy `[..., K, N]`, whose block scales are the
   transposed scale matrix: the input-gradient GEMM then reads a contracted-dimension-contiguous weight.
@@ -26,7 +29,7 @@ import torch
 import triton
 import triton.language as tl
 
-from ..ops.fp8 import AMAX_FLOOR, BLOCK, FP8_DTYPE, FP8_MAX
+from ..ops.fp8 import AMAX_FLOOR, BLOCK, FP8_DTYPE, FP8_MAX, padded_columns_bound
 from . import fp8_cuda
 
 _AMAX_FLOOR = tl.constexpr(AMAX_FLOOR)
@@ -265,6 +268,72 @@ def _check_swiglu_input(name: str, z: torch.Tensor) -> None:
     if z.dtype != torch.bfloat16 or z.dim() != 2 or z.size(1) % (2 * BLOCK) or z.stride(1) != 1:
         raise ValueError(f"{name}: expected bfloat16 [N, 2I] with contiguous rows and I a multiple of {BLOCK}, "
                          f"got {z.dtype} {tuple(z.shape)} strides {z.stride()}")
+
+
+@triton.jit
+def _column_segments_kernel(
+    x_ptr, x_scale_ptr, q_ptr, scale_ptr, starts_ptr, counts_ptr, padded_ends_ptr, num_experts,
+    stride_xm, stride_xk, stride_xsm, stride_xsk, stride_qm, stride_sm, stride_sk,
+    FP8_INPUT: tl.constexpr, BLOCK_SCALES: tl.constexpr, E_POW2: tl.constexpr, BLOCK_C: tl.constexpr,
+    SNAP: tl.constexpr,
+):
+    column_block, feature_block = tl.program_id(0), tl.program_id(1)
+    first_column = column_block * BLOCK_C
+    # The expert whose padded columns hold this block: all experts at once, as in _locate_row_tile.
+    e = tl.arange(0, E_POW2)
+    padded_end = tl.load(padded_ends_ptr + e, mask=e < num_experts, other=0)
+    expert = tl.sum(((padded_end <= first_column) & (e < num_experts)).to(tl.int32), 0)
+    if expert < num_experts:
+        padded_begin = tl.sum(tl.where(e == expert - 1, padded_end, 0), 0)
+        tokens = first_column - padded_begin + tl.arange(0, BLOCK_C)
+        valid = tokens < tl.load(counts_ptr + expert)
+        rows = (tl.load(starts_ptr + expert) + tokens).to(tl.int64)
+        features = (feature_block * BLOCK_C + tl.arange(0, BLOCK_C)).to(tl.int64)
+        x = _load_rows(x_ptr, rows, features, valid, stride_xm, stride_xk)  # [tokens, features]
+        if FP8_INPUT:
+            x = x * tl.load(x_scale_ptr + rows * stride_xsm + feature_block * stride_xsk, mask=valid, other=0.0)[:, None]
+        if BLOCK_SCALES:
+            q, scale = _quantize(x, tl.max(tl.abs(x)), SNAP)
+            tl.store(scale_ptr + feature_block * stride_sm + column_block * stride_sk, scale)
+        else:
+            q, scale = _quantize(x, tl.max(tl.abs(x), axis=0)[None, :], SNAP)
+            tl.store(scale_ptr + features * stride_sm + column_block * stride_sk, tl.reshape(scale, (BLOCK_C,)))
+        columns = first_column + tl.arange(0, BLOCK_C)
+        tl.store(q_ptr + features[:, None] * stride_qm + columns[None, :], tl.trans(q))
+
+
+def per_column_segments_cast_to_fp8(x: torch.Tensor, x_scales: torch.Tensor | None, starts: torch.Tensor,
+                                    counts: torch.Tensor, padded_ends: torch.Tensor, *, block_scales: bool,
+                                    ) -> FP8Rows:
+    """Expert `e`'s rows `[starts[e], starts[e] + counts[e])` of `x [N, F]`, transposed and cast to
+    e4m3 along the tokens, at columns `[padded_ends[e-1], padded_ends[e])` of `q [F, C]`
+    (`moe_ep.ops.fp8.padded_segment_ends` and `padded_columns_bound`); the padding columns are zeros,
+    the columns from `padded_ends[-1]` on are never written.
+
+    `x` is BF16/float32, or e4m3 with its 1x128 float32 `x_scales [N, F/128]` (dequantized first, in
+    float32). Scales: `[F, C/128]` per feature per 128 tokens (rows adjacent in memory), or with
+    `block_scales` `[F/128, C/128]` per 128x128 block. The values are those of
+    `moe_ep.ops.fp8.per_column_segments_cast_to_fp8` on the columns written.
+    """
+    num_rows, features = x.shape
+    num_experts = counts.numel()
+    if (x.dtype == FP8_DTYPE) != (x_scales is not None):
+        raise ValueError("x_scales: expected exactly with e4m3 x")
+    _check_depth("x", x)
+    columns = padded_columns_bound(num_rows, num_experts)
+    q = torch.empty(features, columns, dtype=FP8_DTYPE, device=x.device)
+    if block_scales:
+        scales = torch.empty(features // BLOCK, columns // BLOCK, dtype=torch.float32, device=x.device)
+    else:
+        scales = torch.empty(columns // BLOCK, features, dtype=torch.float32, device=x.device).t()
+    x_scale_strides = x_scales.stride() if x_scales is not None else (0, 0)
+    _column_segments_kernel[(columns // BLOCK, features // BLOCK)](
+        x, x_scales, q, scales, starts, counts, padded_ends, num_experts,
+        *x.stride(), *x_scale_strides, q.stride(0), *scales.stride(),
+        FP8_INPUT=x_scales is not None, BLOCK_SCALES=block_scales, E_POW2=triton.next_power_of_2(num_experts),
+        BLOCK_C=BLOCK, SNAP=fp8_cuda.TRITON_INTERPRETED, num_warps=8,
+    )
+    return q, scales
 
 
 @triton.jit

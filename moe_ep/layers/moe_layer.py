@@ -87,7 +87,8 @@ class MoELayer(nn.Module):
         factory = {"device": device, "dtype": dtype}
         self.router = TopKRouter(config).to(device)
         self.experts = GroupedMLP(self.num_local_experts, config.hidden_size, config.moe_intermediate_size,
-                                  use_fp8=config.use_fp8_experts, segment_alignment=config.expert_alignment,
+                                  use_fp8=config.use_fp8_experts, fp8_weight_grads=config.use_fp8_weight_grads,
+                                  segment_alignment=config.expert_alignment,
                                   **factory)
         self.shared_experts = None
         if config.n_shared_experts > 0:

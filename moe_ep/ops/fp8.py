@@ -87,6 +87,36 @@ def per_block_cast_back(q: torch.Tensor, scales: torch.Tensor, dtype: torch.dtyp
     return (q.float() * expanded).to(dtype)
 
 
+def padded_segment_ends(counts: torch.Tensor) -> torch.Tensor:
+    """Cumulative ends `[E]` int32 of the segments' token counts, each padded up to a multiple of 128."""
+    padded = (counts.to(torch.int64).clamp(min=0) + BLOCK - 1) // BLOCK * BLOCK
+    return padded.cumsum(0).to(torch.int32)
+
+
+def padded_columns_bound(num_rows: int, num_experts: int) -> int:
+    """Columns that hold `num_experts` segments of `num_rows` rows in all, each padded to 128."""
+    return BLOCK * (-(-num_rows // BLOCK) + num_experts)
+
+
+def per_column_segments_cast_to_fp8(x: torch.Tensor, starts: torch.Tensor, counts: torch.Tensor, *,
+                                    block_scales: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    """Segment `e` of `x [N, F]` (rows `[starts[e], starts[e] + counts[e])`), transposed and cast to
+    e4m3 along the tokens: the operands of the experts' FP8 weight-gradient GEMM.
+
+    Segment `e` lands at columns `[padded_ends[e-1], padded_ends[e])` (`padded_segment_ends(counts)`)
+    of the zero-padded `[F, padded_columns_bound(N, E)]` matrix, which is cast with one scale per row
+    per 128 columns (`per_token_cast_to_fp8`, scales `[F, C/128]`) or per 128x128 block
+    (`block_scales`: `per_block_cast_to_fp8`, scales `[F/128, C/128]`).
+    """
+    columns = torch.zeros(x.size(1), padded_columns_bound(x.size(0), counts.numel()), dtype=torch.float32,
+                          device=x.device)
+    begin = 0
+    for start, count in zip(starts.tolist(), counts.tolist()):
+        columns[:, begin:begin + count] = x[start:start + count].float().t()
+        begin += -(-count // BLOCK) * BLOCK
+    return per_block_cast_to_fp8(columns) if block_scales else per_token_cast_to_fp8(columns)
+
+
 def pack_ue8m0(scales: torch.Tensor) -> torch.Tensor:
     """Pack power-of-two float32 scales `[..., G]` into int32 `[..., ceil(G/4)]`; missing bytes are 0."""
     exponent = (scales.float().contiguous().view(torch.int32) >> 23) & 0xFF

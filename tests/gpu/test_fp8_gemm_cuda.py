@@ -135,3 +135,64 @@ def test_cuda_weight_cast_falls_back_or_refuses() -> None:
         q, scales, _ = casts.per_block_cast_to_fp8_with_transpose(w)
         want_q, want_scales = fp8.per_block_cast_to_fp8(w)
         assert torch.equal(q.view(torch.uint8), want_q.view(torch.uint8)) and torch.equal(scales, want_scales)
+
+
+def column_operands(seed: int, counts: list[int], width_a: int, width_b: int):
+    """The weight-gradient GEMM's operands as the experts make them: random BF16 output gradients and
+    e4m3 activations, cast along the tokens of each expert's segment on the GPU."""
+    g = torch.Generator().manual_seed(seed)
+    rows = sum(counts)
+    grad = (torch.randn(rows, width_a, generator=g) * torch.logspace(-2, 2, rows)[:, None]).bfloat16().cuda()
+    x = fp8.per_token_cast_to_fp8(torch.randn(rows, width_b, generator=g) * 3)
+    x = (x[0].cuda(), x[1].cuda())
+    lengths = torch.tensor(counts, dtype=torch.int32).cuda()
+    starts = lengths.cumsum(0, dtype=torch.int32) - lengths
+    padded_ends = fp8.padded_segment_ends(lengths)
+    a = casts.per_column_segments_cast_to_fp8(grad, None, starts, lengths, padded_ends, block_scales=False)
+    b = casts.per_column_segments_cast_to_fp8(*x, starts, lengths, padded_ends, block_scales=True)
+    return a, b, padded_ends
+
+
+@pytest.mark.parametrize("counts, width_a, width_b", [
+    ([300, 0, 128, 1, 900, 64], 512, 768),  # empty, one-row, exact-tile and 8-block segments
+    ([2000, 16, 48], 256, 1024),            # 16 K blocks: the stage ring wraps
+    ([0, 0], 128, 256),                     # no tokens at all: zero gradients
+    ([130] * 12, 384, 640),                 # 128-column tiles (640 is no multiple of 256)
+])
+def test_depth_grouped_gemm_matches_float64_reference(counts: list[int], width_a: int, width_b: int) -> None:
+    (qa, sa), (qb, sb), padded_ends = column_operands(len(counts) + width_a, counts, width_a, width_b)
+    ext = gemm.fp8_cuda.fp8_extension()
+    got = ext.fp8_depth_grouped_mm(qa, sa, qb, sb, padded_ends)
+    assert got.shape == (len(counts), width_a, width_b) and got.dtype == torch.bfloat16
+    a = fp8.per_token_cast_back(qa.cpu(), sa.cpu(), torch.float64)
+    b = fp8.per_block_cast_back(qb.cpu(), sb.cpu(), torch.float64)
+    bounds = [0] + padded_ends.tolist()
+    for e in range(len(counts)):
+        columns = slice(bounds[e], bounds[e + 1])
+        want = a[:, columns] @ b[:, columns].t()
+        if counts[e] == 0:
+            assert (got[e] == 0).all()
+            continue
+        # One BF16 ulp, plus the tensor cores' ~14-bit sums inside each 128-deep block (as the
+        # forward GEMM's test bounds them).
+        bound = 2 ** -7 * want.abs() + 2 ** -12 * (a[:, columns].abs() @ b[:, columns].abs().t())
+        assert ((got[e].double().cpu() - want).abs() <= bound).all(), e
+    assert torch.equal(got, ext.fp8_depth_grouped_mm(qa, sa, qb, sb, padded_ends)), "not deterministic"
+
+
+def test_weight_grad_on_the_gpu_matches_the_reference_path(monkeypatch) -> None:
+    """`fp8_grouped_weight_grad` on the CUDA kernels against its CPU reference on the same inputs."""
+    import moe_ep.layers.experts as experts
+    counts = [272, 0, 48, 1040, 16]
+    g = torch.Generator().manual_seed(11)
+    grad = torch.randn(sum(counts) + 32, 256, generator=g).bfloat16()
+    x = fp8.per_token_cast_to_fp8(torch.randn(sum(counts) + 32, 512, generator=g))
+    seg_args = (torch.tensor(counts, dtype=torch.int32), sum(counts) + 32)
+    got = experts.fp8_grouped_weight_grad(grad.cuda(), (x[0].cuda(), x[1].cuda()),
+                                          experts.ExpertSegments(seg_args[0].cuda(), seg_args[1]))
+    want = experts.fp8_grouped_weight_grad(grad, x, experts.ExpertSegments(*seg_args))
+    assert got.shape == want.shape == (len(counts), 256, 512)
+    # The same casts (Triton against the reference, bit for bit elsewhere); FP32 products summed in
+    # another order and both rounded to BF16.
+    assert float((got.cpu().double() - want.double()).norm() / want.double().norm()) < 4e-3
+    assert (got[1] == 0).all()
