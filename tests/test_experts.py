@@ -342,9 +342,12 @@ def test_fp8_weight_grads_in_the_packed_layout() -> None:
     rows = torch.cat([q[e, :count] for e, count in enumerate(counts)]), torch.cat(
         [scales[e, :count] for e, count in enumerate(counts)])
     dense(rows, counts_tensor(counts)).float().sum().backward()
-    assert torch.equal(module.gate_up_proj.grad, dense.gate_up_proj.grad)
-    assert torch.equal(module.down_proj.grad, dense.down_proj.grad)
-    assert module.down_proj.grad[2].abs().sum() > 0
+    # The same values; only the forward's CPU matmuls see other row counts (16 slots against the
+    # counts), which some BLAS builds sum in another order.
+    for packed_grad, dense_grad in ((module.gate_up_proj.grad, dense.gate_up_proj.grad),
+                                    (module.down_proj.grad, dense.down_proj.grad)):
+        assert torch.isfinite(packed_grad).all() and relative_error(packed_grad, dense_grad) < 1e-2
+    assert module.down_proj.grad[2].abs().sum() > 0 and (module.down_proj.grad[1] == 0).all()
 
 
 def test_fp8_weight_grads_need_fp8() -> None:

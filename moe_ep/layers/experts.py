@@ -20,7 +20,9 @@ gradient are computed in float32 in the passes that cast their outputs to FP8.
 
 With `fp8_weight_grads`, the weight gradients are FP8 GEMMs too (`fp8_grouped_weight_grad`): both
 operands are cast along the tokens, each expert's tokens padded to 128, the output gradient with one
-scale per channel per 128 tokens and the activation with one per 128x128 block.
+scale per channel per 128 tokens and the activation with one per 128x128 block. Off by default: on an
+H200 at DeepSeek-V3 shapes it is slower than the BF16 weight gradients (session 18,
+`docs/perf-notes-fp8-gemm.md`).
 """
 
 from __future__ import annotations
