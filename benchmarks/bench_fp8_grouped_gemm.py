@@ -35,7 +35,6 @@ from moe_ep.layers import fp8_grouped_gemm as gemm
 from moe_ep.layers.experts import cast_weight_to_fp8
 from moe_ep.layers.fp8_casts import (cuda_weight_cast_runs, per_block_cast_to_fp8_with_transpose,
                                      per_column_segments_cast_to_fp8, per_token_cast_back, per_token_cast_to_fp8)
-from moe_ep.layers.fp8_cuda import fp8_extension
 from moe_ep.ops import fp8
 from timing import local_median_us
 
@@ -195,7 +194,7 @@ def bench_weight_grad_check(counts: list[int], x: torch.Tensor, grad: torch.Tens
     """The FP8 weight gradient of the first expert against BF16 on the same (unquantized) values."""
     casts, padded_ends = weight_grad_operands(counts, grad, x_8)
     (g_t, x_t) = casts()
-    got = fp8_extension().fp8_depth_grouped_mm(*g_t, *x_t, padded_ends)[0]
+    got = gemm.fp8_depth_grouped_mm(*g_t, *x_t, padded_ends)[0]
     first = slice(0, counts[0])
     return {"wgrad_rel_err": relative_error(got, grad[first].float().t() @ x[first].float())}
 
@@ -207,7 +206,7 @@ def bench_weight_grad_times(counts: list[int], x: torch.Tensor, grad: torch.Tens
     casts, padded_ends = weight_grad_operands(counts, grad, x_8)
     g_t, x_t = casts()
     return {"bf16_wgrad_us": local_median_us(lambda: torch._grouped_mm(grad.t(), x, offs=ends)),
-            "cuda_fp8_wgrad_us": local_median_us(lambda: fp8_extension().fp8_depth_grouped_mm(*g_t, *x_t, padded_ends)),
+            "cuda_fp8_wgrad_us": local_median_us(lambda: gemm.fp8_depth_grouped_mm(*g_t, *x_t, padded_ends)),
             "cuda_fp8_wgrad_casts_us": local_median_us(casts)}
 
 

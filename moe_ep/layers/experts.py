@@ -39,7 +39,6 @@ from torch import nn
 from ..ops.fp8 import (BLOCK, FP8_DTYPE, padded_segment_ends, per_block_cast_back, per_block_cast_to_fp8,
                        per_column_segments_cast_to_fp8, per_token_cast_back, per_token_cast_to_fp8, unpack_ue8m0)
 from ..ops.validation import check_tensor
-from . import fp8_cuda
 
 FP8Tokens = tuple[torch.Tensor, torch.Tensor]
 """`(q float8_e4m3fn [..., H], scales)`: `per_token_cast_to_fp8` output (float32 or UE8M0 scales)."""
@@ -179,11 +178,11 @@ def fp8_grouped_weight_grad(grad: torch.Tensor, x: FP8Tokens, seg: ExpertSegment
     """
     starts, counts = seg.starts_and_counts()
     padded_ends = padded_segment_ends(counts)
-    if _triton_fp8_available(grad.device) and fp8_cuda.runs_on(grad):
-        casts = _triton_fp8().casts
+    if _triton_fp8_available(grad.device) and _triton_fp8().gemm.fp8_cuda.runs_on(grad):
+        casts, gemm = _triton_fp8()
         grad_t = casts.per_column_segments_cast_to_fp8(grad, None, starts, counts, padded_ends, block_scales=False)
         x_t = casts.per_column_segments_cast_to_fp8(*x, starts, counts, padded_ends, block_scales=True)
-        return fp8_cuda.fp8_extension().fp8_depth_grouped_mm(*grad_t, *x_t, padded_ends)
+        return gemm.fp8_depth_grouped_mm(*grad_t, *x_t, padded_ends)
     grad_t = per_token_cast_back(*per_column_segments_cast_to_fp8(grad, starts, counts, block_scales=False),
                                  dtype=torch.float32)
     x_t = per_block_cast_back(*per_column_segments_cast_to_fp8(per_token_cast_back(*x, dtype=torch.float32), starts,

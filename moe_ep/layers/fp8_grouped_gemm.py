@@ -227,3 +227,17 @@ def fp8_grouped_mm(a: torch.Tensor, a_scales: torch.Tensor, b: torch.Tensor, b_s
         BLOCK_K=BLOCK, E_POW2=triton.next_power_of_2(num_experts), **tile,
     )
     return out
+
+
+def fp8_depth_grouped_mm(a: torch.Tensor, a_scales: torch.Tensor, b: torch.Tensor, b_scales: torch.Tensor,
+                         ends: torch.Tensor) -> torch.Tensor:
+    """The weight-gradient GEMM: `dequant(a)[:, K_e] @ dequant(b)[:, K_e].T` for every expert `e`,
+    `K_e = [ends[e-1], ends[e])` (multiples of 128): `[M, C] x [N, C] -> [E, M, N]` BF16.
+
+    `a` e4m3 with float32 scales `[M, C/128]` (1x128), `b` e4m3 with `[N/128, C/128]` (128x128), as
+    `fp8_casts.per_column_segments_cast_to_fp8` writes them. The CUDA kernel of `moe_ep._fp8` only
+    (no Triton version): where `fp8_cuda.runs_on(a)`.
+    """
+    if not fp8_cuda.runs_on(a):
+        raise RuntimeError("fp8_depth_grouped_mm: needs the moe_ep._fp8 kernel (an sm_90a build on an sm_90 GPU)")
+    return fp8_cuda.fp8_extension().fp8_depth_grouped_mm(a, a_scales, b, b_scales, ends)

@@ -161,8 +161,7 @@ def column_operands(seed: int, counts: list[int], width_a: int, width_b: int):
 ])
 def test_depth_grouped_gemm_matches_float64_reference(counts: list[int], width_a: int, width_b: int) -> None:
     (qa, sa), (qb, sb), padded_ends = column_operands(len(counts) + width_a, counts, width_a, width_b)
-    ext = gemm.fp8_cuda.fp8_extension()
-    got = ext.fp8_depth_grouped_mm(qa, sa, qb, sb, padded_ends)
+    got = gemm.fp8_depth_grouped_mm(qa, sa, qb, sb, padded_ends)
     assert got.shape == (len(counts), width_a, width_b) and got.dtype == torch.bfloat16
     a = fp8.per_token_cast_back(qa.cpu(), sa.cpu(), torch.float64)
     b = fp8.per_block_cast_back(qb.cpu(), sb.cpu(), torch.float64)
@@ -177,7 +176,7 @@ def test_depth_grouped_gemm_matches_float64_reference(counts: list[int], width_a
         # forward GEMM's test bounds them).
         bound = 2 ** -7 * want.abs() + 2 ** -12 * (a[:, columns].abs() @ b[:, columns].abs().t())
         assert ((got[e].double().cpu() - want).abs() <= bound).all(), e
-    assert torch.equal(got, ext.fp8_depth_grouped_mm(qa, sa, qb, sb, padded_ends)), "not deterministic"
+    assert torch.equal(got, gemm.fp8_depth_grouped_mm(qa, sa, qb, sb, padded_ends)), "not deterministic"
 
 
 def test_weight_grad_on_the_gpu_matches_the_reference_path(monkeypatch) -> None:
