@@ -6,9 +6,9 @@
 set -u
 export NCCL_NVLS_ENABLE=0 NVSHMEM_DISABLE_NVLS=1 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_REMOTE_TRANSPORT=none
 OUT=${OUT:-$PWD/out}
-mkdir -p "$OUT/files"
 MOE_EP_PROFILE=1 MOE_EP_BUILD_LOW_LATENCY=0 bash scripts/gpu_check.sh build > "$OUT/build_summary.log" 2>&1 || {
     tail -40 "$OUT/build_summary.log"; exit 1; }
+mkdir -p "$OUT/files"  # after the build: gpu_check.sh packs $OUT/files into files.tgz and removes it
 for run in ${CONFIGS:-12:4:256 24:4:256 12:4:256 24:4:256}; do
     i=$(( ${i:-0} + 1 ))
     MOE_EP_CHECK_VALUES=0 timeout 200 python3 benchmarks/bench_intranode.py --worlds 4 --configs "$run" --profile \
