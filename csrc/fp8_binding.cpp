@@ -33,8 +33,8 @@ void check_scales(const Tensor& scales, const char* name, at::IntArrayRef expect
     TORCH_CHECK_VALUE(scales.sizes() == expected, name, ": expected shape ", expected, ", got ", scales.sizes());
 }
 
-// The checks and launch both groupings share: `b` is `[E, n_out, depth]` by rows, `[n_out, depth]`
-// by depth; `out` is allocated by the caller.
+// The checks, output allocation and launch both groupings share: `b` is `[E, n_out, depth]` by rows,
+// `[n_out, depth]` by depth; the output is `[num_rows, n_out]` by rows, `[E, num_rows, n_out]` by depth.
 Tensor launch_gemm(const Tensor& a, const Tensor& a_scales, const Tensor& b, const Tensor& b_scales,
                    const Tensor& ends, int64_t num_experts, bool group_depth) {
     TORCH_CHECK(kernels::fp8_grouped_gemm_supported(),

@@ -110,10 +110,9 @@ def per_column_segments_cast_to_fp8(x: torch.Tensor, starts: torch.Tensor, count
     """
     columns = torch.zeros(x.size(1), padded_columns_bound(x.size(0), counts.numel()), dtype=torch.float32,
                           device=x.device)
-    begin = 0
-    for start, count in zip(starts.tolist(), counts.tolist()):
+    begins = [0] + padded_segment_ends(counts).tolist()[:-1]
+    for start, count, begin in zip(starts.tolist(), counts.tolist(), begins):
         columns[:, begin:begin + count] = x[start:start + count].float().t()
-        begin += -(-count // BLOCK) * BLOCK
     return per_block_cast_to_fp8(columns) if block_scales else per_token_cast_to_fp8(columns)
 
 
