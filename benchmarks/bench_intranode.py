@@ -103,10 +103,18 @@ class Bench:
             out[f"dispatch_{name}_kernel_deepep_gbs"] = self.recv_rows * row / times["dispatch"] / 1e3
             out[f"notify_{name}_kernel_us"] = times["notify"]
         recv_x, _, recv_w, _, handle, _ = self.dispatch(dispatch_config, False)
-        t = kernel_median_us(lambda: self.buffer.combine(recv_x, handle, topk_weights=recv_w, config=combine_config),
-                             {"combine": "combine_kernel"}, self.iters)["combine"]
-        out["combine_bf16_kernel_us"] = t
-        out["combine_bf16_kernel_deepep_gbs"] = self.recv_rows * self.hidden * 2 / t / 1e3
+        backend = self.buffer._cuda
+        # The default path (staged when it fits), then the rings, then the default again: alternated, so
+        # that a drift in the machine shows as a difference between the two default runs.
+        for key, staged in (("combine_bf16", True), ("combine_bf16_rings", False), ("combine_bf16_again", True)):
+            backend.staged_combine = staged
+            t = kernel_median_us(lambda: self.buffer.combine(recv_x, handle, topk_weights=recv_w,
+                                                             config=combine_config),
+                                 {"combine": "combine_kernel"}, self.iters)["combine"]
+            out[f"{key}_kernel_us"] = t
+            out[f"{key}_kernel_deepep_gbs"] = self.recv_rows * self.hidden * 2 / t / 1e3
+            out[f"{key}_path"] = backend.last_combine_path()
+        backend.staged_combine = True
         return out
 
     def measure_layout(self) -> float:
@@ -292,6 +300,11 @@ def _table(reports: list[dict]) -> str:
                          f"{best[key + '_deepep_gbs']:11.1f}  {best[key + '_remote_gbs']:11.1f}  "
                          f"{kernel_us:10.1f}  {kernel_gbs:11.1f}  | "
                          f"{nccl['nccl_a2a_us']:.1f} us, {nccl['nccl_a2a_remote_gbs']:.1f} GB/s")
+        for key in ("combine_bf16_rings", "combine_bf16_again"):
+            if key + "_kernel_us" in kernels:
+                lines.append(f"{rep['world']:5d}  {key.replace('_bf16', '').replace('_', ' ')} ({kernels[key + '_path']})"
+                             f"{'':>34s}{kernels[key + '_kernel_us']:10.1f}  "
+                             f"{kernels[key + '_kernel_deepep_gbs']:11.1f}")
         lines.append(f"{rep['world']:5d}  layout kernel {rep['layout_us']:.1f} us")
     return "\n".join(lines)
 

@@ -309,7 +309,7 @@ py::tuple cached_dispatch(NvlRuntime& rt, const Tensor& x, const optional<Tensor
 py::tuple combine(NvlRuntime& rt, const Tensor& x, const optional<Tensor>& topk_weights,
                   const optional<Tensor>& bias_0, const optional<Tensor>& bias_1, const Tensor& rank_prefix,
                   const Tensor& channel_prefix, const Tensor& recv_channel_prefix, const Tensor& is_token_in_rank,
-                  const Tensor& send_head, int64_t send_chunk, int64_t ring_slots) {
+                  const Tensor& send_head, int64_t send_chunk, int64_t ring_slots, bool staged) {
     rt.check_usable();
     const int C = static_cast<int>(channel_prefix.size(1));
     check_channels(rt, C);
@@ -341,6 +341,7 @@ py::tuple combine(NvlRuntime& rt, const Tensor& x, const optional<Tensor>& topk_
     a.num_channels = C;
     a.ring_slots = static_cast<int>(ring_slots);
     a.publish_every = static_cast<int>(send_chunk);
+    a.staging_bytes = staged ? rt.data_bytes() : 0;
     launch_check(kernels::launch_prepare_rings(rt.comm(), stream), "prepare_rings");
     launch_check(kernels::launch_combine(a, rt.comm(), stream), "combine");
 #ifdef MOE_EP_PROFILE
@@ -362,6 +363,7 @@ void register_intranode(py::module_& m) {
                  rt.open_peers(records);
              })
         .def("check_usable", &NvlRuntime::check_usable)
+        .def("last_combine_path", &NvlRuntime::last_combine_path)
         .def("destroy", &NvlRuntime::destroy)
         .def_property_readonly("data_bytes", &NvlRuntime::data_bytes);
     m.def("get_dispatch_layout", &get_dispatch_layout);

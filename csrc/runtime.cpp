@@ -163,6 +163,10 @@ void NvlRuntime::raise_overflow(const kernels::WorstTokensOverflow& report) {
     throw std::invalid_argument(message + "; the Buffer is unusable now: create a new one on every rank");
 }
 
+int NvlRuntime::last_combine_path() const {
+    return reinterpret_cast<const volatile kernels::HostFlags*>(flags_)->combine_path;
+}
+
 void NvlRuntime::arm_recv_count() { reinterpret_cast<volatile kernels::HostFlags*>(flags_)->recv_count = -1; }
 
 int NvlRuntime::wait_recv_count() {

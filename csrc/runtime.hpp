@@ -43,6 +43,8 @@ class NvlRuntime {
     std::vector<int> expert_counts(int num_local_experts) const;
     // Resets the host flags before a notify kernel runs.
     void arm_recv_count();
+    // kernels::CombinePath of the latest combine kernel that ran (the caller synchronizes first).
+    int last_combine_path() const;
 #ifdef MOE_EP_PROFILE
     // Waits for the device, then copies the per-phase timing records (kernels::prof) to the host.
     std::vector<int64_t> read_profile() const;

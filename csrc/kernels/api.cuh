@@ -40,7 +40,13 @@ constexpr int kTail = 32;                                  // [kMaxChannels][kMa
 constexpr int kHead = kTail + kMaxChannels * kMaxRanks;    // [kMaxChannels][kMaxRanks] written by receivers
 constexpr int kNotify = kHead + kMaxChannels * kMaxRanks;  // [kMaxRanks][kNotifySlot] written by peers
 constexpr int kNotifySlot = kMaxRanks + kMaxChannels + kMaxLocalExperts + 8;
-constexpr int kInts = kNotify + kMaxRanks * kNotifySlot;
+// Staged combine: rows of each chunk of source r's staging block that have landed, [kMaxRanks][kStagingChunks],
+// raised by r's senders once their bulk stores completed.
+constexpr int kStagingChunks = 1024;
+constexpr int kStagingReady = kNotify + kMaxRanks * kNotifySlot;
+// Staged combine: this rank's claim counters, [0] chunks of rows to send, [1] tokens to reduce.
+constexpr int kCombineClaims = kStagingReady + kMaxRanks * kStagingChunks;
+constexpr int kInts = kCombineClaims + 2;
 constexpr int64_t kBytes = (kInts * 4 + 4095) / 4096 * 4096;
 }  // namespace ctrl
 
@@ -62,6 +68,7 @@ struct HostFlags {
     int recv_cancelled;  // written with recv_count: 1 when a num_worst_tokens overflow cancelled the dispatch
     int expert_counts[kMaxLocalExperts];  // received slots per local expert, aligned (num_worst_tokens == 0 only)
     WorstTokensOverflow overflow;
+    int combine_path;  // CombinePath of the latest combine kernel on this rank
 };
 
 enum ErrorCode : int {
@@ -229,9 +236,21 @@ struct CombineArgs {
     int num_topk;
     int num_channels;
     int ring_slots;
-    int publish_every;
+    int publish_every;  // rings: tails published at least every this many rows; staged: rows per chunk
+    // Staged path when every rank's staging area fits into this many bytes (its NVLink buffer's data
+    // region); 0: always the rings. The kernel decides from rank_prefix_matrix, the same way on every rank.
+    int64_t staging_bytes;
 };
 
+enum CombinePath : int { kCombineNone = 0, kCombineStaged = 1, kCombineRings = 2 };
+
+// Two ways to return the rows, chosen inside the kernel and reported in HostFlags::combine_path:
+// - staged (combine_staged.cuh), when every owner's staging area fits: each rank bulk-copies the rows
+//   it received from owner d into d's staging area (slot = row + k weights), with no flow control;
+//   senders claim chunks of rows and reducers claim tokens from per-rank counters;
+// - rings, otherwise: per (channel, rank pair) rings with head/tail flow control, one block per channel.
+// Both reduce in the torch backend's order (bias, then ranks 0..R-1 in float32), reading this rank's
+// own contribution in place.
 cudaError_t launch_combine(const CombineArgs& args, const CommContext& comm, cudaStream_t stream);
 
 // ---------------------------------------------------------------------------------------------

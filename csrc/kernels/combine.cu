@@ -1,4 +1,7 @@
-// Intranode combine, one block per dispatch channel: the channel's token range of every rank. The
+// Intranode combine. Two paths in one kernel (api.cuh, launch_combine): the staged one
+// (combine_staged.cuh) when every owner's staging area fits, else the rings below.
+//
+// Rings: one block per dispatch channel, the channel's token range of every rank. The
 // block's first R - 1 warps send back the rows this rank received from the channel of every other rank
 // (ring slot: the row, then the k top-k weights), one warp per destination; its other warps reduce the
 // channel's range of this rank's own tokens: bias first, then the contributions of ranks 0..R-1 in
@@ -8,6 +11,7 @@
 #include <algorithm>
 
 #include "combine_reduce.cuh"
+#include "combine_staged.cuh"
 #include "pipeline.cuh"
 
 namespace moe_ep::kernels {
@@ -206,16 +210,31 @@ MOE_EP_DEVICE void reduce_channel(const CombineArgs& a, int channel, int first_w
     MOE_EP_PROF(timing.store(comm, prof::kCombine, channel, prof::kCombineReducer, true, warp == 0);)
 }
 
+// Both paths use the same threads: warps [0, R - 1) send, the others reduce. `num_stages` stages of one
+// slot for the rings, `staged_stages` of staged_slots_per_stage slots for the staged path.
 template <typename T, int kRanks>
 __global__ void __launch_bounds__(kCombineThreads, 1) combine_kernel(CombineArgs a, CommContext comm, int num_stages,
-                                                                      int slot_bytes) {
+                                                                      int staged_stages, int slot_bytes) {
     extern __shared__ __align__(1024) uint8_t smem[];
     __shared__ volatile int s_abort;
+    __shared__ ChunkDone s_done[kMaxRanks - 1][kStagedSignalLag + 1];
     // The handle of a dispatch cancelled by an overflow (its error surfaces at the next call) has
     // prefix matrices that do not match the expert outputs: read nothing.
     if (ld_volatile(comm.peers.ctrl[comm.rank] + ctrl::kDispatchCancelled) != 0) return;
     const int channel = blockIdx.x, warp = threadIdx.x / 32, senders = comm.num_ranks - 1;
+    const StagingPlan plan = plan_staging(a, comm.num_ranks, slot_bytes, staged_stages / senders);
+    if (channel == 0 && threadIdx.x == 0) comm.flags->combine_path = plan.staged ? kCombineStaged : kCombineRings;
     if (threadIdx.x == 0) s_abort = 0;
+    if (plan.staged) {
+        const int slots = staged_slots_per_stage(slot_bytes), per_sender = staged_stages / senders;
+        const StageRing ring = make_stage_ring(smem, staged_stages, slots * slot_bytes, threadIdx.x == 0);
+        __syncthreads();
+        if (warp >= senders)
+            reduce_staged<T, kRanks>(a, plan, slot_bytes, comm, &s_abort);
+        else
+            send_staged(a, ring, warp * per_sender, per_sender, slots, plan, slot_bytes, s_done[warp], comm, &s_abort);
+        return;
+    }
     const StageRing ring = make_stage_ring(smem, num_stages, slot_bytes, threadIdx.x == 0);
     __syncthreads();
     if (warp >= senders) {
@@ -235,11 +254,15 @@ cudaError_t launch_for_ranks(const CombineArgs& args, const CommContext& comm, c
     // At least one stage per destination; the reducers need at least one warp.
     if (stages < comm.num_ranks - 1 || comm.num_ranks > kRanks || comm.num_ranks >= kCombineWarps)
         return cudaErrorInvalidValue;
-    const size_t smem = stage_ring_smem_bytes(stages, slot_bytes);
+    const int staged_slot_bytes = staged_slots_per_stage(slot_bytes) * slot_bytes;
+    const int staged_stages = max_pipeline_stages(staged_slot_bytes);
+    const size_t smem = std::max(stage_ring_smem_bytes(stages, slot_bytes),
+                                 staged_stages > 0 ? stage_ring_smem_bytes(staged_stages, staged_slot_bytes) : 0);
     cudaError_t err = cudaFuncSetAttribute(combine_kernel<T, kRanks>, cudaFuncAttributeMaxDynamicSharedMemorySize,
                                            static_cast<int>(smem));
     if (err != cudaSuccess) return err;
-    combine_kernel<T, kRanks><<<args.num_channels, kCombineThreads, smem, stream>>>(args, comm, stages, slot_bytes);
+    combine_kernel<T, kRanks>
+        <<<args.num_channels, kCombineThreads, smem, stream>>>(args, comm, stages, staged_stages, slot_bytes);
     return cudaGetLastError();
 }
 

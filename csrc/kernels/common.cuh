@@ -307,10 +307,12 @@ MOE_EP_DEVICE bool rank_barrier(const CommContext& comm, volatile int* abort) {
     return *abort == 0;
 }
 
-// Clears this rank's ring tails and heads (peers write them during data kernels).
+// Clears this rank's ring tails and heads, staging ready counts and combine claim counters (peers write
+// the first three during data kernels).
 MOE_EP_DEVICE void clear_ring_counters(const CommContext& comm) {
     int* own = comm.peers.ctrl[comm.rank];
     for (int i = threadIdx.x; i < 2 * kMaxChannels * kMaxRanks; i += blockDim.x) own[ctrl::kTail + i] = 0;
+    for (int i = threadIdx.x; i < kMaxRanks * ctrl::kStagingChunks + 2; i += blockDim.x) own[ctrl::kStagingReady + i] = 0;
 }
 
 // Ring slots are whole 128-byte lines: NVLink stores that cover only part of a line cost about 30 %

@@ -1,7 +1,8 @@
 """The CUDA backend against the torch backend (the oracle) on the same inputs, over NCCL at 2-4 ranks.
 
 Every output must be bitwise identical: dispatch data, scales, top-k ids and weights, expert counts,
-every handle tensor; combine (same float32 summation order); cached dispatch; padding.
+every handle tensor; combine (same float32 summation order) through both of its paths, the staging
+area and the rings; cached dispatch; padding.
 """
 
 from __future__ import annotations
@@ -116,7 +117,7 @@ def _num_worst_tokens(c: Case, topk_idx: torch.Tensor, num_experts: int, world: 
 
 def _round_trip(buffer: moe_ep.Buffer, c: Case, x: object, topk_idx: torch.Tensor, topk_weights: torch.Tensor,
                 num_experts: int, num_worst: int, bias: Optional[tuple[torch.Tensor, ...]], rank: int,
-                async_mode: bool = False) -> dict[str, object]:
+                async_mode: bool = False, staging_fits: bool = True) -> dict[str, object]:
     config = moe_ep.Config(c.config[0], c.config[1], c.config[2], 6, 128)
     out: dict[str, object] = {}
     out["layout"] = buffer.get_dispatch_layout(topk_idx, num_experts)[:4]
@@ -136,16 +137,31 @@ def _round_trip(buffer: moe_ep.Buffer, c: Case, x: object, topk_idx: torch.Tenso
     recv_x = recv[0][0] if c.use_fp8 else recv[0]
     if not c.use_fp8:
         y = expert_output(recv_x, rank)
-        combined = buffer.combine(y, handle, topk_weights=recv[2], bias=bias, config=config, **extra)
-        combined[-1].current_stream_wait()
-        out["combine"] = combined[:2]
+        cuda = buffer._cuda
+        # The CUDA backend combines through the staging area when it fits, else (or when told) the rings.
+        runs = [("torch", True)]
+        if cuda is not None:
+            runs = [("staged", True), ("rings", False)] if staging_fits else [("rings", True)]
+        for path, staged in runs:
+            if cuda is not None:
+                cuda.staged_combine = staged
+            combined = buffer.combine(y, handle, topk_weights=recv[2], bias=bias, config=config, **extra)
+            combined[-1].current_stream_wait()
+            if cuda is not None:
+                assert cuda.last_combine_path() == path, f"combine ran {cuda.last_combine_path()}, not {path}"
+                cuda.staged_combine = True
+            out[f"combine_{path}"] = combined[:2]
     torch.cuda.synchronize()
     return out
 
 
-def _compare_backends(rank: int, world: int, case: dict, seed: int = 1234, async_mode: bool = False) -> int:
+def _compare_backends(rank: int, world: int, case: dict, seed: int = 1234, async_mode: bool = False,
+                      small_buffer_bytes: int = 0) -> int:
+    """`small_buffer_bytes`: run the CUDA side on a Buffer that size, too small for the staging area."""
     c = Case(**case)
     torch_buf, cuda_buf = _buffers(dist.group.WORLD)
+    if small_buffer_bytes:
+        cuda_buf = moe_ep.Buffer(dist.group.WORLD, small_buffer_bytes, backend="cuda")
     x, topk_idx, topk_weights, num_experts = _inputs(c, rank, world, seed + world)
     num_worst = _num_worst_tokens(c, topk_idx, num_experts, world)
     gen = torch.Generator().manual_seed(99 + rank)
@@ -153,12 +169,16 @@ def _compare_backends(rank: int, world: int, case: dict, seed: int = 1234, async
     bias = tuple(torch.randn(shape, generator=gen).to(getattr(torch, c.dtype)).cuda() for _ in range(c.with_bias))
     bias_arg = None if not bias else (bias[0] if len(bias) == 1 else bias)
     expected = _round_trip(torch_buf, c, x, topk_idx, topk_weights, num_experts, num_worst, bias_arg, rank)
-    got = _round_trip(cuda_buf, c, x, topk_idx, topk_weights, num_experts, num_worst, bias_arg, rank, async_mode)
+    got = _round_trip(cuda_buf, c, x, topk_idx, topk_weights, num_experts, num_worst, bias_arg, rank, async_mode,
+                      staging_fits=not small_buffer_bytes)
+    if small_buffer_bytes:
+        cuda_buf.destroy()
     _same(got["layout"], expected["layout"], "layout")
     _same(got["dispatch"], expected["dispatch"], "dispatch")
     _same(got["cached"], got["dispatch"][0], "cached dispatch")
-    if "combine" in expected:
-        _same(got["combine"], expected["combine"], "combine")
+    for path in ("staged", "rings"):
+        if "combine_torch" in expected and f"combine_{path}" in got:
+            _same(got[f"combine_{path}"], expected["combine_torch"], f"combine ({path})")
     recv_x = got["dispatch"][0]
     return (recv_x[0] if isinstance(recv_x, tuple) else recv_x).size(0)
 
@@ -189,6 +209,14 @@ def test_async_previous_event_mode(nccl_pool) -> None:
     nccl_pool(world).run(_compare_backends, asdict(Case("async", hidden=1024)), async_mode=True)
     nccl_pool(world).run(_compare_backends, asdict(Case("async_worst", hidden=1024, num_worst_extra=3)),
                          async_mode=True)
+
+
+def test_combine_falls_back_to_rings_when_staging_does_not_fit(nccl_pool) -> None:
+    """512 KiB holds the rings of this case (4 channels x 8 slots of 640 bytes per rank pair) but not
+    its staging area (0.9 MB at 2 ranks, 2.3 MB at 4)."""
+    world = min(4, torch.cuda.device_count())
+    case = Case("rings_fallback", tokens=(1500, 1300, 1700, 900), hidden=256, config=(4, 2, 8))
+    nccl_pool(world).run(_compare_backends, asdict(case), small_buffer_bytes=1 << 19)
 
 
 def _hashes(rank: int, world: int, repeats: int) -> list[str]:

@@ -68,9 +68,15 @@ def is_sm90_compiled() -> bool:
 
 
 class CudaBackend(CommBackend):
-    """Normal-mode dispatch/combine with NVLink kernels; low-latency mode over NVSHMEM (delegated)."""
+    """Normal-mode dispatch/combine with NVLink kernels; low-latency mode over NVSHMEM (delegated).
+
+    Combine returns the rows through a staging area in each owner's NVLink buffer when every rank's
+    fits (the rows it dispatched x (hidden + top-k weights) bytes, rounded to 128), else through
+    per-channel rings; `staged_combine = False` forces the rings. `last_combine_path()` says which ran.
+    """
 
     name = "cuda"
+    staged_combine: bool = True
 
     def __init__(
         self,
@@ -161,8 +167,14 @@ class CudaBackend(CommBackend):
         combined, combined_weights = _ext().combine(
             self._runtime, x, topk_weights, bias_0, bias_1, handle.rank_prefix_matrix, handle.channel_prefix_matrix,
             handle.recv_channel_prefix_matrix, handle.is_token_in_rank, handle.send_head,
-            config.num_max_nvl_chunked_send_tokens, config.num_max_nvl_chunked_recv_tokens)
+            config.num_max_nvl_chunked_send_tokens, config.num_max_nvl_chunked_recv_tokens, self.staged_combine)
         return combined, combined_weights
+
+    def last_combine_path(self) -> Optional[str]:
+        """How this rank's latest combine returned the rows: "staged", "rings", or None before any
+        combine. Waits for the device."""
+        torch.cuda.synchronize(self.device)
+        return {1: "staged", 2: "rings"}.get(self._runtime.last_combine_path())
 
     def check_errors(self) -> None:
         """Wait for this device's queued work, then raise what the kernels reported and no call raised
