@@ -217,7 +217,7 @@ __global__ void __launch_bounds__(kCombineThreads, 1) combine_kernel(CombineArgs
                                                                       int staged_stages, int slot_bytes) {
     extern __shared__ __align__(1024) uint8_t smem[];
     __shared__ volatile int s_abort;
-    __shared__ ChunkDone s_done[kMaxRanks - 1][kStagedSignalLag + 1];
+    __shared__ ChunkDone s_done[kMaxRanks - 1][kMaxStagedSignalLag + 1];
     // The handle of a dispatch cancelled by an overflow (its error surfaces at the next call) has
     // prefix matrices that do not match the expert outputs: read nothing.
     if (ld_volatile(comm.peers.ctrl[comm.rank] + ctrl::kDispatchCancelled) != 0) return;

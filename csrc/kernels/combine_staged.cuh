@@ -18,8 +18,10 @@ namespace moe_ep::kernels {
 constexpr int kStagedStageBytes = 16384;  // a sender stage holds as many slots as fit, at least one
 constexpr int kStagedStoreLag = 3;        // bulk stores whose stage may still be unread when the warp moves on
 // Bulk stores a sender warp leaves in flight before it waits for the oldest to land and raises its chunk's
-// ready count: about 90 KB per warp at hidden 7168, megabytes per GPU, far more than the link needs.
+// ready count (CommContext::pipeline_lag overrides it, up to kMaxStagedSignalLag): about 90 KB per warp
+// at hidden 7168, megabytes per GPU.
 constexpr int kStagedSignalLag = 6;
+constexpr int kMaxStagedSignalLag = 12;
 
 // Slots in one sender stage of the staged path.
 __host__ __device__ inline int staged_slots_per_stage(int slot_bytes) {
@@ -75,6 +77,7 @@ struct ChunkClaims {
     int* counter;
     int R, me, chunk_rows, num_entries;
     int dest = 0, pos = 0, end = 0;
+    int claimed;  // lane 0: the entry claimed for after the current one, in flight while it is sent
     bool done = false;
 
     MOE_EP_DEVICE ChunkClaims(const int* rpm_, int* counter_, int R_, int me_, int chunk_rows_)
@@ -83,15 +86,15 @@ struct ChunkClaims {
         for (int d = 0; d < R; ++d)
             if (d != me) most_chunks = max(most_chunks, ceil_div(rows_between(rpm, R, d, me), chunk_rows));
         num_entries = most_chunks * (R - 1);
+        claimed = (threadIdx.x & 31) == 0 ? atomicAdd(counter, 1) : 0;
     }
 
     // The next stage: `rows` (at most max_rows) rows from position `first` of the rows owed to `owner`.
     MOE_EP_DEVICE bool next(int max_rows, int& owner, int& first, int& rows) {
         while (pos >= end) {
             if (done) return false;
-            int entry = 0;
-            if ((threadIdx.x & 31) == 0) entry = atomicAdd(counter, 1);
-            entry = __shfl_sync(kFullMask, entry, 0);
+            const int entry = __shfl_sync(kFullMask, claimed, 0);
+            if ((threadIdx.x & 31) == 0 && entry < num_entries) claimed = atomicAdd(counter, 1);
             if (entry >= num_entries) {
                 done = true;
                 return false;
@@ -117,8 +120,8 @@ struct ChunkDone {
 // Sender warp with stages [first_stage, first_stage + num_stages) of `ring`: bulk-loads claimed rows
 // into its stages, lanes add the weights (fetched a stage ahead), lane 0 bulk-stores each stage into the
 // owner's staging area. A stage is reused once its store has read it; a chunk's ready count is raised
-// once its last store has landed, kStagedSignalLag stores later. `done` is the warp's history of its
-// last kStagedSignalLag + 1 stores.
+// once its last store has landed, `signal_lag` stores later. `done` is the warp's history of its last
+// kMaxStagedSignalLag + 1 stores.
 MOE_EP_DEVICE void send_staged(const CombineArgs& a, const StageRing& ring, int first_stage, int num_stages,
                                int slots_per_stage, const StagingPlan& plan, int slot_bytes, ChunkDone* done,
                                const CommContext& comm, volatile int* abort) {
@@ -189,19 +192,25 @@ MOE_EP_DEVICE void send_staged(const CombineArgs& a, const StageRing& ring, int 
     };
 
     const int lag_read = min(kStagedStoreLag, S - 1);
+    const int signal_lag = comm.pipeline_lag > 0 ? min(comm.pipeline_lag, kMaxStagedSignalLag) : kStagedSignalLag;
+    constexpr int kHistory = kMaxStagedSignalLag + 1;
+    MOE_EP_PROF(ProfRole timing; timing.begin(); uint64_t t_prof = timing.start;)
     int loaded = 0;
     while (loaded < S - lag_read && load(loaded)) ++loaded;
     Weights weights{};
     if (has_weights && loaded > 0) weights = fetch_weights(stage_of(0));
+    MOE_EP_PROF(t_prof = timing.add(prof::kMeta, t_prof);)
     int seq = 0;
     for (; seq < loaded; ++seq) {
         const int s = stage_of(seq);
         if (!__all_sync(kFullMask, mbar_wait(ring.full + s, (seq / S) & 1, comm, abort))) break;
+        MOE_EP_PROF(t_prof = timing.add(prof::kWaitStage, t_prof); timing.mark_first(); timing.count(prof::kItems);)
         if (has_weights) {
             put_weights(s, weights);
             if (seq + 1 < loaded) weights = fetch_weights(stage_of(seq + 1));
         }
         __syncwarp();
+        MOE_EP_PROF(t_prof = timing.add(prof::kCopy, t_prof);)
         if (lane == 0) {
             const int owner = static_cast<int>(ring.mask[s] & 0xff), rows = static_cast<int>(ring.mask[s] >> 8);
             const int first = ring.token[s], owed = rows_between(rpm, R, owner, me);
@@ -209,28 +218,36 @@ MOE_EP_DEVICE void send_staged(const CombineArgs& a, const StageRing& ring, int 
                                static_cast<size_t>(staging_block_start(rpm, R, owner, me) + first) * slot_bytes;
             bulk_store(staging, ring.stage(s), static_cast<uint32_t>(rows) * slot_bytes);
             bulk_commit();
+            MOE_EP_PROF(t_prof = timing.add(prof::kCopy, t_prof);)
             const int chunk = first / plan.chunk_rows, chunk_end = min(owed, (chunk + 1) * plan.chunk_rows);
-            done[seq % (kStagedSignalLag + 1)] =
+            done[seq % kHistory] =
                 first + rows == chunk_end ? ChunkDone{owner + 16 * chunk, chunk_end - chunk * plan.chunk_rows}
                                           : ChunkDone{-1, 0};
             bulk_wait_dyn<true>(lag_read);  // the store of stage seq - lag_read has read its stage
-            if (seq >= kStagedSignalLag) {
-                bulk_wait<kStagedSignalLag>();  // the store seq - kStagedSignalLag has landed
-                signal(done[(seq - kStagedSignalLag) % (kStagedSignalLag + 1)]);
+            if (seq >= signal_lag) {
+                bulk_wait_dyn<false>(signal_lag);  // the store seq - signal_lag has landed
+                MOE_EP_PROF(t_prof = timing.add(prof::kCopyWait, t_prof);)
+                signal(done[(seq - signal_lag) % kHistory]);
+                MOE_EP_PROF(t_prof = timing.add(prof::kPublish, t_prof);)
             }
         }
         __syncwarp();
+        MOE_EP_PROF(t_prof = timing.add(prof::kCopy, t_prof);)
         if (load(loaded)) {  // into the stage of seq - lag_read
             ++loaded;
             if (has_weights && seq + 1 == loaded - 1) weights = fetch_weights(stage_of(seq + 1));
         }
+        MOE_EP_PROF(t_prof = timing.add(prof::kMeta, t_prof);)
     }
     if (lane == 0) {
         bulk_wait<0>();
+        MOE_EP_PROF(t_prof = timing.add(prof::kCopyWait, t_prof);)
         if (*abort == 0)
-            for (int i = max(0, seq - kStagedSignalLag); i < seq; ++i) signal(done[i % (kStagedSignalLag + 1)]);
+            for (int i = max(0, seq - signal_lag); i < seq; ++i) signal(done[i % kHistory]);
+        MOE_EP_PROF(timing.add(prof::kPublish, t_prof);)
     }
     __syncwarp();
+    MOE_EP_PROF(timing.reduce_lanes(); timing.store(comm, prof::kCombine, blockIdx.x, threadIdx.x / 32);)
 }
 
 // Reducer warp: claims this rank's tokens one at a time (the next claim is in flight while it reduces).
@@ -250,9 +267,11 @@ MOE_EP_DEVICE void reduce_staged(const CombineArgs& a, const StagingPlan& plan, 
     auto claim = [&] { return lane == 0 ? atomicAdd(token_counter, 1) : 0; };
     int known_chunk = -1;
 
+    MOE_EP_PROF(ProfRole timing; timing.begin(); uint64_t t_prof = timing.start;)
     for (int t = __shfl_sync(kFullMask, claim(), 0); t < a.num_tokens;) {
         const int next = claim();
         if (*abort) break;
+        MOE_EP_PROF(uint64_t lane_wait = 0;)
         const uint32_t mask = __ballot_sync(
             kFullMask, lane < R && reinterpret_cast<const uint8_t*>(a.is_token_in_rank)[static_cast<size_t>(t) * R + lane] != 0);
         const uint8_t* row = nullptr;
@@ -265,6 +284,7 @@ MOE_EP_DEVICE void reduce_staged(const CombineArgs& a, const StagingPlan& plan, 
                 const int chunk = pos / plan.chunk_rows;
                 if (chunk > known_chunk) {
                     const int expected = min(plan.chunk_rows, rows_from_lane - chunk * plan.chunk_rows);
+                    MOE_EP_PROF(lane_wait = global_timer_ns();)
                     // Polls are plain loads, spaced out: hundreds of lanes spinning with system-scope
                     // acquires on the few lines of the front slow the whole GPU down.
                     ok = wait_until(
@@ -275,6 +295,7 @@ MOE_EP_DEVICE void reduce_staged(const CombineArgs& a, const StagingPlan& plan, 
                         },
                         comm, abort, kErrRecvTimeout);
                     ld_acquire_sys(ready + chunk);  // orders the slot reads after the count
+                    MOE_EP_PROF(lane_wait = global_timer_ns() - lane_wait;)
                     known_chunk = chunk;
                 }
                 row = block + static_cast<size_t>(pos) * slot_bytes;
@@ -282,13 +303,27 @@ MOE_EP_DEVICE void reduce_staged(const CombineArgs& a, const StagingPlan& plan, 
         }
         __syncwarp();  // lane r's acquire of r's ready count covers every lane's reads of r's slots
         if (!__all_sync(kFullMask, ok)) break;
+        MOE_EP_PROF({
+            // The warp waited as long as its slowest lane; the rest went to claims and metadata loads.
+            const uint64_t now = global_timer_ns();
+            const uint32_t waited = __reduce_max_sync(kFullMask, static_cast<uint32_t>(lane_wait));
+            const uint32_t spent = static_cast<uint32_t>(now - t_prof);
+            timing.acc[prof::kWaitRemote] += waited;
+            timing.acc[prof::kMeta] += spent > waited ? spent - waited : 0;
+            timing.count(prof::kItems);
+            timing.mark_first();
+            t_prof = now;
+        })
         const uint8_t* rows[kRanks];
 #pragma unroll
         for (int r = 0; r < kRanks; ++r)
             rows[r] = reinterpret_cast<const uint8_t*>(__shfl_sync(kFullMask, reinterpret_cast<unsigned long long>(row), r));
         reduce_token<T, kRanks>(a, t, mask, rows, me, lane);
         t = __shfl_sync(kFullMask, next, 0);
+        MOE_EP_PROF(t_prof = timing.add(prof::kCopy, t_prof);)
     }
+    MOE_EP_PROF(timing.store(comm, prof::kCombine, blockIdx.x, prof::kCombineReducer, true,
+                             threadIdx.x / 32 == comm.num_ranks - 1);)
 }
 
 }  // namespace moe_ep::kernels
