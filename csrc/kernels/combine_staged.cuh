@@ -16,6 +16,9 @@
 namespace moe_ep::kernels {
 
 constexpr int kStagedStageBytes = 16384;  // a sender stage holds as many slots as fit, at least one
+// Sender warps of a staged block: they are not tied to destinations, and one per block (two ranks)
+// cannot keep the link busy with its chain of per-row waits (session 19, s19-2).
+constexpr int kStagedMinSenders = 3;
 constexpr int kStagedStoreLag = 3;        // bulk stores whose stage may still be unread when the warp moves on
 // Bulk stores a sender warp leaves in flight before it waits for the oldest to land and raises its chunk's
 // ready count (CommContext::pipeline_lag overrides it, up to kMaxStagedSignalLag): about 90 KB per warp
@@ -68,24 +71,40 @@ MOE_EP_DEVICE StagingPlan plan_staging(const CombineArgs& a, int R, int slot_byt
     return plan;
 }
 
+// What this rank returns to every owner, held by lane d for owner d and read with shuffles (all lanes
+// call), so that a sender's per-row chain has no global loads in it.
+struct OwedRows {
+    int rows;     // rows this rank received from the lane's rank
+    int x_first;  // where they start in this rank's x
+    int staging;  // where this rank's block starts in the lane's staging area, in slots
+
+    MOE_EP_DEVICE OwedRows(const int* rpm, int R, int me) {
+        const int d = threadIdx.x & 31;
+        const bool owner = d < R && d != me;
+        rows = owner ? rows_between(rpm, R, d, me) : 0;
+        x_first = owner && d > 0 ? rpm[(d - 1) * R + me] : 0;
+        staging = owner ? staging_block_start(rpm, R, d, me) : 0;
+    }
+    MOE_EP_DEVICE int rows_of(int owner) const { return __shfl_sync(kFullMask, rows, owner); }
+    MOE_EP_DEVICE int x_first_of(int owner) const { return __shfl_sync(kFullMask, x_first, owner); }
+    MOE_EP_DEVICE int staging_of(int owner) const { return __shfl_sync(kFullMask, staging, owner); }
+};
+
 // A sender warp's source of work: chunk c of the rows owed to owner d is entry c * (R - 1) + i, d the
 // i-th rank after this one (so that the ranks start on different links). Entries are claimed in order
 // from this rank's counter, so all warps of all ranks move one front through the staging blocks, which
 // the owners' reducers follow. All lanes call next(); lane 0 claims.
 struct ChunkClaims {
-    const int* rpm;
+    const OwedRows& owed;
     int* counter;
     int R, me, chunk_rows, num_entries;
     int dest = 0, pos = 0, end = 0;
     int claimed;  // lane 0: the entry claimed for after the current one, in flight while it is sent
     bool done = false;
 
-    MOE_EP_DEVICE ChunkClaims(const int* rpm_, int* counter_, int R_, int me_, int chunk_rows_)
-        : rpm(rpm_), counter(counter_), R(R_), me(me_), chunk_rows(chunk_rows_) {
-        int most_chunks = 0;
-        for (int d = 0; d < R; ++d)
-            if (d != me) most_chunks = max(most_chunks, ceil_div(rows_between(rpm, R, d, me), chunk_rows));
-        num_entries = most_chunks * (R - 1);
+    MOE_EP_DEVICE ChunkClaims(const OwedRows& owed_, int* counter_, int R_, int me_, int chunk_rows_)
+        : owed(owed_), counter(counter_), R(R_), me(me_), chunk_rows(chunk_rows_) {
+        num_entries = warp_max(ceil_div(owed.rows, chunk_rows)) * (R - 1);
         claimed = (threadIdx.x & 31) == 0 ? atomicAdd(counter, 1) : 0;
     }
 
@@ -101,7 +120,7 @@ struct ChunkClaims {
             }
             dest = (me + 1 + entry % (R - 1)) % R;
             pos = entry / (R - 1) * chunk_rows;
-            end = min(rows_between(rpm, R, dest, me), pos + chunk_rows);
+            end = min(owed.rows_of(dest), pos + chunk_rows);
         }
         owner = dest;
         first = pos;
@@ -126,12 +145,10 @@ MOE_EP_DEVICE void send_staged(const CombineArgs& a, const StageRing& ring, int 
                                int slots_per_stage, const StagingPlan& plan, int slot_bytes, ChunkDone* done,
                                const CommContext& comm, volatile int* abort) {
     const int lane = threadIdx.x & 31, me = comm.rank, R = comm.num_ranks, S = num_stages;
-    const int* rpm = a.rank_prefix_matrix;
     const bool has_weights = a.topk_weights != nullptr && a.num_topk > 0;
-    ChunkClaims claims(rpm, comm.peers.ctrl[me] + ctrl::kCombineClaims, R, me, plan.chunk_rows);
-    auto first_row = [&](int owner, int first) {  // in this rank's x
-        return (owner > 0 ? rpm[(owner - 1) * R + me] : 0) + first;
-    };
+    const OwedRows owed(a.rank_prefix_matrix, R, me);
+    ChunkClaims claims(owed, comm.peers.ctrl[me] + ctrl::kCombineClaims, R, me, plan.chunk_rows);
+    auto first_row = [&](int owner, int first) { return owed.x_first_of(owner) + first; };  // in this rank's x
     auto stage_of = [&](int seq) { return first_stage + seq % S; };
 
     auto load = [&](int seq) {
@@ -209,17 +226,16 @@ MOE_EP_DEVICE void send_staged(const CombineArgs& a, const StageRing& ring, int 
             put_weights(s, weights);
             if (seq + 1 < loaded) weights = fetch_weights(stage_of(seq + 1));
         }
+        const int owner = static_cast<int>(ring.mask[s] & 0xff), rows = static_cast<int>(ring.mask[s] >> 8);
+        const int first = ring.token[s], owed_rows = owed.rows_of(owner), staging_first = owed.staging_of(owner);
         __syncwarp();
         MOE_EP_PROF(t_prof = timing.add(prof::kCopy, t_prof);)
         if (lane == 0) {
-            const int owner = static_cast<int>(ring.mask[s] & 0xff), rows = static_cast<int>(ring.mask[s] >> 8);
-            const int first = ring.token[s], owed = rows_between(rpm, R, owner, me);
-            uint8_t* staging = comm.peers.data[owner] +
-                               static_cast<size_t>(staging_block_start(rpm, R, owner, me) + first) * slot_bytes;
+            uint8_t* staging = comm.peers.data[owner] + static_cast<size_t>(staging_first + first) * slot_bytes;
             bulk_store(staging, ring.stage(s), static_cast<uint32_t>(rows) * slot_bytes);
             bulk_commit();
             MOE_EP_PROF(t_prof = timing.add(prof::kCopy, t_prof);)
-            const int chunk = first / plan.chunk_rows, chunk_end = min(owed, (chunk + 1) * plan.chunk_rows);
+            const int chunk = first / plan.chunk_rows, chunk_end = min(owed_rows, (chunk + 1) * plan.chunk_rows);
             done[seq % kHistory] =
                 first + rows == chunk_end ? ChunkDone{owner + 16 * chunk, chunk_end - chunk * plan.chunk_rows}
                                           : ChunkDone{-1, 0};
@@ -323,7 +339,7 @@ MOE_EP_DEVICE void reduce_staged(const CombineArgs& a, const StagingPlan& plan, 
         MOE_EP_PROF(t_prof = timing.add(prof::kCopy, t_prof);)
     }
     MOE_EP_PROF(timing.store(comm, prof::kCombine, blockIdx.x, prof::kCombineReducer, true,
-                             threadIdx.x / 32 == comm.num_ranks - 1);)
+                             threadIdx.x / 32 == max(comm.num_ranks - 1, kStagedMinSenders));)
 }
 
 }  // namespace moe_ep::kernels

@@ -161,7 +161,7 @@ def _compare_backends(rank: int, world: int, case: dict, seed: int = 1234, async
     c = Case(**case)
     torch_buf, cuda_buf = _buffers(dist.group.WORLD)
     if small_buffer_bytes:
-        cuda_buf = moe_ep.Buffer(dist.group.WORLD, small_buffer_bytes, backend="cuda")
+        cuda_buf = moe_ep.Buffer(dist.group.WORLD, small_buffer_bytes, backend="cuda", explicitly_destroy=True)
     x, topk_idx, topk_weights, num_experts = _inputs(c, rank, world, seed + world)
     num_worst = _num_worst_tokens(c, topk_idx, num_experts, world)
     gen = torch.Generator().manual_seed(99 + rank)
