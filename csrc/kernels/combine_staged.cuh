@@ -21,9 +21,9 @@ constexpr int kStagedStageBytes = 16384;  // a sender stage holds as many slots 
 constexpr int kStagedMinSenders = 3;
 constexpr int kStagedStoreLag = 3;        // bulk stores whose stage may still be unread when the warp moves on
 // Bulk stores a sender warp leaves in flight before it waits for the oldest to land and raises its chunk's
-// ready count (CommContext::pipeline_lag overrides it, up to kMaxStagedSignalLag): about 90 KB per warp
-// at hidden 7168, megabytes per GPU.
-constexpr int kStagedSignalLag = 6;
+// ready count (CommContext::pipeline_lag overrides it, up to kMaxStagedSignalLag): about 40 KB per warp
+// at hidden 7168, megabytes per GPU. At two ranks 1-3 beat 6 and 12 (s19-3).
+constexpr int kStagedSignalLag = 3;
 constexpr int kMaxStagedSignalLag = 12;
 
 // Slots in one sender stage of the staged path.
@@ -139,8 +139,8 @@ struct ChunkDone {
 // Sender warp with stages [first_stage, first_stage + num_stages) of `ring`: bulk-loads claimed rows
 // into its stages, lanes add the weights (fetched a stage ahead), lane 0 bulk-stores each stage into the
 // owner's staging area. A stage is reused once its store has read it; a chunk's ready count is raised
-// once its last store has landed, `signal_lag` stores later. `done` is the warp's history of its last
-// kMaxStagedSignalLag + 1 stores.
+// once its last store has landed, `signal_lag` stores later; the warp's first chunk at once, so that
+// the owners' reducers start early. `done` is the warp's history of its last kMaxStagedSignalLag + 1 stores.
 MOE_EP_DEVICE void send_staged(const CombineArgs& a, const StageRing& ring, int first_stage, int num_stages,
                                int slots_per_stage, const StagingPlan& plan, int slot_bytes, ChunkDone* done,
                                const CommContext& comm, volatile int* abort) {
@@ -217,7 +217,8 @@ MOE_EP_DEVICE void send_staged(const CombineArgs& a, const StageRing& ring, int 
     Weights weights{};
     if (has_weights && loaded > 0) weights = fetch_weights(stage_of(0));
     MOE_EP_PROF(t_prof = timing.add(prof::kMeta, t_prof);)
-    int seq = 0;
+    int seq = 0, next_signal = 0;  // lane 0: the oldest store not signaled yet
+    bool first_chunk = true;       // lane 0: no chunk of this warp ended yet
     for (; seq < loaded; ++seq) {
         const int s = stage_of(seq);
         if (!__all_sync(kFullMask, mbar_wait(ring.full + s, (seq / S) & 1, comm, abort))) break;
@@ -240,12 +241,18 @@ MOE_EP_DEVICE void send_staged(const CombineArgs& a, const StageRing& ring, int 
                 first + rows == chunk_end ? ChunkDone{owner + 16 * chunk, chunk_end - chunk * plan.chunk_rows}
                                           : ChunkDone{-1, 0};
             bulk_wait_dyn<true>(lag_read);  // the store of stage seq - lag_read has read its stage
-            if (seq >= signal_lag) {
-                bulk_wait_dyn<false>(signal_lag);  // the store seq - signal_lag has landed
-                MOE_EP_PROF(t_prof = timing.add(prof::kCopyWait, t_prof);)
-                signal(done[(seq - signal_lag) % kHistory]);
-                MOE_EP_PROF(t_prof = timing.add(prof::kPublish, t_prof);)
+            int landed = -1;  // signal the stores up to this one
+            if (first_chunk && done[seq % kHistory].owner_chunk >= 0) {
+                bulk_wait<0>();
+                landed = seq;
+                first_chunk = false;
+            } else if (seq - next_signal >= signal_lag) {
+                bulk_wait_dyn<false>(signal_lag);
+                landed = seq - signal_lag;
             }
+            MOE_EP_PROF(t_prof = timing.add(prof::kCopyWait, t_prof);)
+            for (; next_signal <= landed; ++next_signal) signal(done[next_signal % kHistory]);
+            MOE_EP_PROF(t_prof = timing.add(prof::kPublish, t_prof);)
         }
         __syncwarp();
         MOE_EP_PROF(t_prof = timing.add(prof::kCopy, t_prof);)
@@ -259,7 +266,7 @@ MOE_EP_DEVICE void send_staged(const CombineArgs& a, const StageRing& ring, int 
         bulk_wait<0>();
         MOE_EP_PROF(t_prof = timing.add(prof::kCopyWait, t_prof);)
         if (*abort == 0)
-            for (int i = max(0, seq - signal_lag); i < seq; ++i) signal(done[i % kHistory]);
+            for (; next_signal < seq; ++next_signal) signal(done[next_signal % kHistory]);
         MOE_EP_PROF(timing.add(prof::kPublish, t_prof);)
     }
     __syncwarp();
