@@ -231,10 +231,11 @@ __global__ void __launch_bounds__(kCombineThreads, 1) combine_kernel(CombineArgs
         const int slots = staged_slots_per_stage(slot_bytes), per_sender = staged_stages / staged_senders;
         const StageRing ring = make_stage_ring(smem, staged_stages, slots * slot_bytes, threadIdx.x == 0);
         __syncthreads();
-        if (warp >= staged_senders)
-            reduce_staged<T, kRanks>(a, plan, slot_bytes, comm, &s_abort);
-        else
+        // Senders that run out of rows to claim reduce too: at two ranks the link is done well before
+        // the reducers are (s19-4).
+        if (warp < staged_senders)
             send_staged(a, ring, warp * per_sender, per_sender, slots, plan, slot_bytes, s_done[warp], comm, &s_abort);
+        reduce_staged<T, kRanks>(a, plan, slot_bytes, comm, &s_abort);
         return;
     }
     const StageRing ring = make_stage_ring(smem, num_stages, slot_bytes, threadIdx.x == 0);
