@@ -1,19 +1,33 @@
 #!/usr/bin/env bash
 # One device call comparing the staged combine with the rings (session 19): a normal build,
-# tests/gpu/test_cuda_backend.py (TESTS), the intranode benchmark over send chunks (= staged chunk rows)
-# and pipeline lags (= staged signal lags); then a profiling build and the per-phase profile of one
-# combine. Logs under $OUT/normal and $OUT/profile.
-#   EP=2 CHUNKS=24:8:256,24:16:256,24:32:256 PROFILE_CONFIG=24:8:256 bash scripts/staged_combine_probe.sh
+# tests/gpu/test_cuda_backend.py (TESTS), then the intranode benchmark once per config in CONFIGS (each
+# times the combine kernel staged, rings, staged; its pipeline-lag variants are the staged signal lags);
+# then a profiling build and the per-phase profile of one combine at PROFILE_CONFIG (PROFILE=0 skips it).
+# $OUT gets summary.log (the tables) and all.tgz (every log and JSON).
+#   EP=4 CONFIGS="24:4:256 24:8:256" PROFILE_CONFIG=24:8:256 bash scripts/staged_combine_probe.sh
 set -uo pipefail
 export NCCL_NVLS_ENABLE=0 NVSHMEM_DISABLE_NVLS=1 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_REMOTE_TRANSPORT=none
-export MOE_EP_BUILD_LOW_LATENCY=0
+export MOE_EP_BUILD_LOW_LATENCY=0 MOE_EP_CHECK_VALUES=0
 OUT=${OUT:-$PWD/out}
-CHUNKS=${CHUNKS:-24:8:256,24:16:256,24:32:256}
+EP=${EP:-4}
+CONFIGS=${CONFIGS:-24:4:256 24:8:256}
 PROFILE_CONFIG=${PROFILE_CONFIG:-24:8:256}
-OUT=$OUT/normal BENCH_TIMEOUT=${BENCH_TIMEOUT:-200} TESTS=${TESTS:-tests/gpu/test_cuda_backend.py} FILE_TIMEOUT=200 \
-    bash scripts/gpu_check.sh build,test,bench --configs "$CHUNKS" \
-    --token-sweep 4096 | tail -12
-MOE_EP_PROFILE=1 OUT=$OUT/profile BENCH_TIMEOUT=${BENCH_TIMEOUT:-200} bash scripts/gpu_check.sh build,bench --profile \
-    --configs "$PROFILE_CONFIG" --token-sweep 4096 > "$OUT/profile_run.log" 2>&1
-grep -A12 -- "--- combine" "$OUT/profile/bench.log" | head -30
-grep -E "pipeline lag|sms=" "$OUT/normal/bench.log" | sed -E "s/'dispatch[^,]*, //g" | cut -c1-200
+mkdir -p "$OUT/json"
+SUMMARY=$OUT/summary.log
+OUT=$OUT/normal TESTS=${TESTS:-tests/gpu/test_cuda_backend.py} FILE_TIMEOUT=${FILE_TIMEOUT:-240} \
+    bash scripts/gpu_check.sh build,test | tail -4 > "$SUMMARY"
+for config in $CONFIGS; do
+    timeout -k 20 ${BENCH_TIMEOUT:-150} python3 benchmarks/bench_intranode.py --worlds "$EP" --configs "$config" \
+        --token-sweep 4096 --out "$OUT/json/bench_${config//:/_}.json" > "$OUT/bench_${config//:/_}.log" 2>&1
+    { echo "=== $config (rc $?)"; grep -A8 "^world  op" "$OUT/bench_${config//:/_}.log";
+      grep -E "pipeline lag" "$OUT/bench_${config//:/_}.log" | sed -E "s/.*(pipeline lag [0-9]+).*'combine_bf16_us': ([0-9.]+).*/\1: combine call \2 us/"; } >> "$SUMMARY"
+done
+if [ "${PROFILE:-1}" = 1 ]; then
+    MOE_EP_PROFILE=1 OUT=$OUT/profile BENCH_TIMEOUT=${BENCH_TIMEOUT:-150} bash scripts/gpu_check.sh build,bench --profile \
+        --configs "$PROFILE_CONFIG" --token-sweep 4096 > "$OUT/profile_run.log" 2>&1
+    grep -A8 -- "--- combine" "$OUT/profile/bench.log" >> "$SUMMARY"
+fi
+cp "$SUMMARY" /tmp/summary_$$.log
+tar czf /tmp/all_$$.tgz -C "$OUT" . && find "$OUT" -mindepth 1 -delete && mv /tmp/all_$$.tgz "$OUT/all.tgz"
+mv /tmp/summary_$$.log "$SUMMARY"
+cat "$SUMMARY"
