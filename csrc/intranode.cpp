@@ -82,7 +82,7 @@ py::dict last_profile(const NvlRuntime& rt) {
     py::list dispatch_roles, combine_roles;
     for (int w = 0; w < prof::kDispatchLoaders; ++w) dispatch_roles.append("send_loader" + std::to_string(w));
     for (const char* name : {"send_storer", "send_head", "recv_copy"}) dispatch_roles.append(name);
-    for (int d = 0; d < kernels::kMaxRanks; ++d) combine_roles.append("send_to_rank" + std::to_string(d));
+    for (int d = 0; d < kernels::kMaxRanks; ++d) combine_roles.append("sender" + std::to_string(d));
     combine_roles.append("reducer");
     py::dict out;
     out["fields"] = fields;

@@ -128,7 +128,8 @@ constexpr int kDispatchLoaders = 4;
 constexpr int kDispatchSendStorer = kDispatchLoaders;
 constexpr int kDispatchSendHead = kDispatchLoaders + 1;
 constexpr int kDispatchRecvCopy = kDispatchLoaders + 2;
-// Combine roles: sender warp for destination d is role d; the reducer warps share one record.
+// Combine roles: role d is the sender warp for destination d (rings) or sender warp d (staged); the
+// reducer warps share one record (staged: sender warps that turned reducers add to it).
 constexpr int kCombineReducer = kMaxRanks;
 constexpr int kRecordInt64s = kRoles * kFields;
 constexpr int kKernelInt64s = kMaxChannels * kRecordInt64s;
