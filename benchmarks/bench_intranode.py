@@ -104,8 +104,9 @@ class Bench:
             out[f"notify_{name}_kernel_us"] = times["notify"]
         recv_x, _, recv_w, _, handle, _ = self.dispatch(dispatch_config, False)
         backend = self.buffer._cuda
-        # The default path (staged when it fits), then the rings, then the default again: alternated, so
-        # that a drift in the machine shows as a difference between the two default runs.
+        chosen = backend.staged_combine
+        # Staged (when it fits), then the rings, then staged again: alternated, so that a drift in the
+        # machine shows as a difference between the two staged runs.
         for key, staged in (("combine_bf16", True), ("combine_bf16_rings", False), ("combine_bf16_again", True)):
             backend.staged_combine = staged
             t = kernel_median_us(lambda: self.buffer.combine(recv_x, handle, topk_weights=recv_w,
@@ -114,7 +115,7 @@ class Bench:
             out[f"{key}_kernel_us"] = t
             out[f"{key}_kernel_deepep_gbs"] = self.recv_rows * self.hidden * 2 / t / 1e3
             out[f"{key}_path"] = backend.last_combine_path()
-        backend.staged_combine = True
+        backend.staged_combine = chosen
         return out
 
     def measure_layout(self) -> float:
@@ -189,6 +190,7 @@ def _worker(rank: int, world: int, port: int, args: argparse.Namespace, results)
     dist.init_process_group("nccl", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world,
                             timeout=datetime.timedelta(seconds=300), device_id=torch.device("cuda", rank))
     buffer = moe_ep.Buffer(dist.group.WORLD, NVL_BYTES, backend="cuda")
+    buffer._cuda.staged_combine = {"auto": None, "on": True, "off": False}[args.staged_combine]
     args.experts = args.experts // world * world  # experts are sharded evenly (255 at world 3)
     report: dict[str, object] = {"world": world, "experts": args.experts}
     main = Bench(buffer, rank, world, args.tokens, args.hidden, args.experts, args.topk, args.warmup, args.iters)
@@ -322,6 +324,9 @@ def main() -> None:
     parser.add_argument("--iters", type=int, default=20)
     parser.add_argument("--token-sweep", default="128,512,1024,2048,4096,8192")
     parser.add_argument("--quick", action="store_true", help="two configs instead of the full sweep")
+    parser.add_argument("--staged-combine", choices=("auto", "on", "off"), default="auto",
+                        help="combine path of every timed call but the kernel comparison (which times both): "
+                             "the backend's default, staged when it fits, or the rings")
     parser.add_argument("--configs", default="",
                         help="NUM_SMS:CHUNK:RING,... measured instead of the sweep (kernels alone at the fastest)")
     parser.add_argument("--timeout", type=float, default=400)

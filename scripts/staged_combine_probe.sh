@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # One device call comparing the staged combine with the rings (session 19): a normal build,
 # tests/gpu/test_cuda_backend.py (TESTS), then the intranode benchmark once per config in CONFIGS (each
-# times the combine kernel staged, rings, staged; its pipeline-lag variants are the staged signal lags);
+# times the combine kernel staged, rings, staged; its other combine calls are staged, and its
+# pipeline-lag variants are the staged signal lags);
 # then a profiling build and the per-phase profile of one combine at PROFILE_CONFIG (PROFILE=0 skips it).
 # $OUT gets summary.log (the tables) and all.tgz (every log and JSON).
 #   EP=4 CONFIGS="24:4:256 24:8:256" PROFILE_CONFIG=24:8:256 bash scripts/staged_combine_probe.sh
@@ -18,13 +19,13 @@ OUT=$OUT/normal TESTS=${TESTS:-tests/gpu/test_cuda_backend.py} FILE_TIMEOUT=${FI
     bash scripts/gpu_check.sh build,test | tail -4 > "$SUMMARY"
 for config in $CONFIGS; do
     timeout -k 20 ${BENCH_TIMEOUT:-150} python3 benchmarks/bench_intranode.py --worlds "$EP" --configs "$config" \
-        --token-sweep 4096 --out "$OUT/json/bench_${config//:/_}.json" > "$OUT/bench_${config//:/_}.log" 2>&1
+        --token-sweep 4096 --staged-combine on --out "$OUT/json/bench_${config//:/_}.json" > "$OUT/bench_${config//:/_}.log" 2>&1
     { echo "=== $config (rc $?)"; grep -A8 "^world  op" "$OUT/bench_${config//:/_}.log";
       grep -E "pipeline lag" "$OUT/bench_${config//:/_}.log" | sed -E "s/.*(pipeline lag [0-9]+).*'combine_bf16_us': ([0-9.]+).*/\1: combine call \2 us/"; } >> "$SUMMARY"
 done
 if [ "${PROFILE:-1}" = 1 ]; then
     MOE_EP_PROFILE=1 OUT=$OUT/profile BENCH_TIMEOUT=${BENCH_TIMEOUT:-150} bash scripts/gpu_check.sh build,bench --profile \
-        --configs "$PROFILE_CONFIG" --token-sweep 4096 > "$OUT/profile_run.log" 2>&1
+        --configs "$PROFILE_CONFIG" --token-sweep 4096 --staged-combine on > "$OUT/profile_run.log" 2>&1
     grep -A8 -- "--- combine" "$OUT/profile/bench.log" >> "$SUMMARY"
 fi
 cp "$SUMMARY" /tmp/summary_$$.log

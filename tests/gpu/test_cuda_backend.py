@@ -149,7 +149,7 @@ def _round_trip(buffer: moe_ep.Buffer, c: Case, x: object, topk_idx: torch.Tenso
             combined[-1].current_stream_wait()
             if cuda is not None:
                 assert cuda.last_combine_path() == path, f"combine ran {cuda.last_combine_path()}, not {path}"
-                cuda.staged_combine = True
+                cuda.staged_combine = None
             out[f"combine_{path}"] = combined[:2]
     torch.cuda.synchronize()
     return out

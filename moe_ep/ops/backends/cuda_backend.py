@@ -70,13 +70,17 @@ def is_sm90_compiled() -> bool:
 class CudaBackend(CommBackend):
     """Normal-mode dispatch/combine with NVLink kernels; low-latency mode over NVSHMEM (delegated).
 
-    Combine returns the rows through a staging area in each owner's NVLink buffer when every rank's
-    fits (the rows it dispatched x (hidden + top-k weights) bytes, rounded to 128), else through
-    per-channel rings; `staged_combine = False` forces the rings. `last_combine_path()` says which ran.
+    Combine returns the rows either through a staging area in each owner's NVLink buffer, which must
+    hold every rank's returned rows (the rows it dispatched x (hidden + top-k weights) bytes, rounded to
+    128; the kernel falls back to the rings when it does not), or through per-channel rings.
+    `staged_combine`: True = staged when it fits, False = rings, None (default) = staged at the world
+    sizes in `STAGED_COMBINE_WORLDS`, where it was measured faster than the rings
+    (docs/perf-notes-intranode.md, session 19). `last_combine_path()` says which ran.
     """
 
     name = "cuda"
-    staged_combine: bool = True
+    STAGED_COMBINE_WORLDS: frozenset[int] = frozenset({2})
+    staged_combine: Optional[bool] = None
 
     def __init__(
         self,
@@ -167,7 +171,8 @@ class CudaBackend(CommBackend):
         combined, combined_weights = _ext().combine(
             self._runtime, x, topk_weights, bias_0, bias_1, handle.rank_prefix_matrix, handle.channel_prefix_matrix,
             handle.recv_channel_prefix_matrix, handle.is_token_in_rank, handle.send_head,
-            config.num_max_nvl_chunked_send_tokens, config.num_max_nvl_chunked_recv_tokens, self.staged_combine)
+            config.num_max_nvl_chunked_send_tokens, config.num_max_nvl_chunked_recv_tokens,
+            self.num_ranks in self.STAGED_COMBINE_WORLDS if self.staged_combine is None else self.staged_combine)
         return combined, combined_weights
 
     def last_combine_path(self) -> Optional[str]:
