@@ -274,7 +274,9 @@ MOE_EP_DEVICE void send_staged(const CombineArgs& a, const StageRing& ring, int 
 }
 
 // Reducer warp: claims this rank's tokens one at a time (the next claim is in flight while it reduces).
-// Lane r waits for the ready count of the chunk holding the token's row from rank r.
+// Lane r waits for the ready count of the chunk holding the token's row from rank r. Every contribution
+// is prefetched into L2 first, so that the reduction's rounds of loads, each bounded by registers, wait
+// on L2 rather than on HBM.
 template <typename T, int kRanks>
 MOE_EP_DEVICE void reduce_staged(const CombineArgs& a, const StagingPlan& plan, int slot_bytes,
                                  const CommContext& comm, volatile int* abort) {
@@ -303,6 +305,7 @@ MOE_EP_DEVICE void reduce_staged(const CombineArgs& a, const StagingPlan& plan, 
             const int pos = a.send_head[static_cast<size_t>(t) * R + lane];
             if (lane == me) {
                 row = static_cast<const uint8_t*>(a.x) + static_cast<size_t>(self_base + pos) * a.row_bytes;
+                prefetch_l2(row, a.row_bytes);
             } else {
                 const int chunk = pos / plan.chunk_rows;
                 if (chunk > known_chunk) {
@@ -322,6 +325,7 @@ MOE_EP_DEVICE void reduce_staged(const CombineArgs& a, const StagingPlan& plan, 
                     known_chunk = chunk;
                 }
                 row = block + static_cast<size_t>(pos) * slot_bytes;
+                prefetch_l2(row, a.row_bytes);
             }
         }
         __syncwarp();  // lane r's acquire of r's ready count covers every lane's reads of r's slots

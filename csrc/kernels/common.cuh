@@ -133,6 +133,11 @@ MOE_EP_DEVICE void bulk_store(void* gmem_dst, const void* smem_src, uint32_t byt
                  : "memory");
 }
 
+// Starts moving `bytes` (a multiple of 16) at `gmem_src` into L2, without waiting or using registers.
+MOE_EP_DEVICE void prefetch_l2(const void* gmem_src, uint32_t bytes) {
+    asm volatile("cp.async.bulk.prefetch.L2.global [%0], %1;" ::"l"(gmem_src), "r"(bytes) : "memory");
+}
+
 MOE_EP_DEVICE void bulk_commit() { asm volatile("cp.async.bulk.commit_group;" ::: "memory"); }
 
 // Wait until at most N of this thread's bulk groups are incomplete (writes done).
