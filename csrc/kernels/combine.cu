@@ -173,25 +173,9 @@ MOE_EP_DEVICE void reduce_channel(const CombineArgs& a, int channel, int first_w
             }
             __syncwarp();  // lane r's acquire of tail r covers every lane's reads of that ring
             if (!__all_sync(kFullMask, ok)) break;
-            MOE_EP_PROF({
-                // The warp waited as long as its slowest lane; the rest of the time went to metadata loads.
-                const uint64_t now = global_timer_ns();
-                const uint32_t waited = __reduce_max_sync(kFullMask, static_cast<uint32_t>(lane_wait));
-                const uint32_t spent = static_cast<uint32_t>(now - t_prof);
-                timing.acc[prof::kWaitRemote] += waited;
-                timing.acc[prof::kMeta] += spent > waited ? spent - waited : 0;
-                timing.acc[prof::kWaitEvents] += __popc(__ballot_sync(kFullMask, lane_stalled != 0));
-                timing.count(prof::kItems);
-                timing.mark_first();
-                t_prof = now;
-            })
-            const uint8_t* rows[kRanks];
-#pragma unroll
-            for (int r = 0; r < kRanks; ++r)
-                rows[r] = reinterpret_cast<const uint8_t*>(
-                    __shfl_sync(kFullMask, reinterpret_cast<unsigned long long>(row), r));
-
-            reduce_token<T, kRanks>(a, t, mask, rows, me, lane);
+            MOE_EP_PROF(timing.acc[prof::kWaitEvents] += __popc(__ballot_sync(kFullMask, lane_stalled != 0));
+                        t_prof = timing.add_item_after_lane_waits(lane_wait, t_prof);)
+            reduce_token<T, kRanks>(a, t, mask, row, me, lane);
             if (((mask >> lane) & 1) && lane != me) atomicMax(&s_head[parity][lane], pos + 1);
             MOE_EP_PROF(t_prof = timing.add(prof::kCopy, t_prof);)
         }

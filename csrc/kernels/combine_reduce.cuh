@@ -88,13 +88,16 @@ MOE_EP_DEVICE int4 load_row_unit(const uint8_t* row, int unit, bool written_by_p
     return written_by_peer ? __ldcg(p) : __ldg(p);
 }
 
-// One warp reduces token t: rows[r] is rank r's contribution for every bit r of `mask`, this rank's
-// own (`me`) a row of `a.x`, a peer's a slot holding the row followed by its k top-k weights. kRanks
-// bounds the world size: each lane keeps 4 16-byte units of every contribution in flight at 2 ranks, 3 at
-// up to 4 ranks, 2 beyond (about the most that fit in registers without spilling).
+// One warp reduces token t: lane r's `row` is rank r's contribution for every bit r of `mask`, this
+// rank's own (`me`) a row of `a.x`, a peer's a slot holding the row followed by its k top-k weights.
+// kRanks bounds the world size: each lane keeps 4 16-byte units of every contribution in flight at 2
+// ranks, 3 at up to 4 ranks, 2 beyond (about the most that fit in registers without spilling).
 template <typename T, int kRanks>
-MOE_EP_DEVICE void reduce_token(const CombineArgs& a, int t, uint32_t mask, const uint8_t* const (&rows)[kRanks],
-                                int me, int lane) {
+MOE_EP_DEVICE void reduce_token(const CombineArgs& a, int t, uint32_t mask, const uint8_t* row, int me, int lane) {
+    const uint8_t* rows[kRanks];
+#pragma unroll
+    for (int r = 0; r < kRanks; ++r)
+        rows[r] = reinterpret_cast<const uint8_t*>(__shfl_sync(kFullMask, reinterpret_cast<unsigned long long>(row), r));
     using P = Pack<T>;
     using Acc = typename P::Acc;
     constexpr int kUnroll = kRanks <= 2 ? 4 : kRanks <= 4 ? 3 : 2;

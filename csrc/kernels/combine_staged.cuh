@@ -330,22 +330,8 @@ MOE_EP_DEVICE void reduce_staged(const CombineArgs& a, const StagingPlan& plan, 
         }
         __syncwarp();  // lane r's acquire of r's ready count covers every lane's reads of r's slots
         if (!__all_sync(kFullMask, ok)) break;
-        MOE_EP_PROF({
-            // The warp waited as long as its slowest lane; the rest went to claims and metadata loads.
-            const uint64_t now = global_timer_ns();
-            const uint32_t waited = __reduce_max_sync(kFullMask, static_cast<uint32_t>(lane_wait));
-            const uint32_t spent = static_cast<uint32_t>(now - t_prof);
-            timing.acc[prof::kWaitRemote] += waited;
-            timing.acc[prof::kMeta] += spent > waited ? spent - waited : 0;
-            timing.count(prof::kItems);
-            timing.mark_first();
-            t_prof = now;
-        })
-        const uint8_t* rows[kRanks];
-#pragma unroll
-        for (int r = 0; r < kRanks; ++r)
-            rows[r] = reinterpret_cast<const uint8_t*>(__shfl_sync(kFullMask, reinterpret_cast<unsigned long long>(row), r));
-        reduce_token<T, kRanks>(a, t, mask, rows, me, lane);
+        MOE_EP_PROF(t_prof = timing.add_item_after_lane_waits(lane_wait, t_prof);)
+        reduce_token<T, kRanks>(a, t, mask, row, me, lane);
         t = __shfl_sync(kFullMask, next, 0);
         MOE_EP_PROF(t_prof = timing.add(prof::kCopy, t_prof);)
     }

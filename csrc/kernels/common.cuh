@@ -202,6 +202,20 @@ struct ProfRole {
     }
     MOE_EP_DEVICE void count(int field, uint32_t n = 1) { acc[field] += n; }
 
+    // A warp about to work on an item, whose lanes waited `lane_wait` ns each for peers: the warp waited
+    // as long as its slowest lane (kWaitRemote); the rest of the time since `since` went to claims and
+    // metadata loads (kMeta). Counts the item; returns now.
+    MOE_EP_DEVICE uint64_t add_item_after_lane_waits(uint64_t lane_wait, uint64_t since) {
+        const uint64_t now = global_timer_ns();
+        const uint32_t waited = __reduce_max_sync(kFullMask, static_cast<uint32_t>(lane_wait));
+        const uint32_t spent = static_cast<uint32_t>(now - since);
+        acc[prof::kWaitRemote] += waited;
+        acc[prof::kMeta] += spent > waited ? spent - waited : 0;
+        count(prof::kItems);
+        mark_first();
+        return now;
+    }
+
     // Lanes that did different work (one lane per destination): durations and counts become the
     // maximum over the lanes (the warp was held while any lane worked), wait events the sum.
     MOE_EP_DEVICE void reduce_lanes() {
