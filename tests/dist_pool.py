@@ -27,6 +27,9 @@ POLL_S = 5  # how often a waiting pool checks that its workers are alive
 STACK_WAIT_S = 1.0  # how long a hang report waits for the hung ranks to write their stacks
 # Caps every run's timeout (seconds), so that a device run hunting a hang gets its stacks early.
 RUN_TIMEOUT_CAP_ENV = "MOE_EP_TEST_RUN_TIMEOUT_S"
+# Pool backend: gloo, with the ranks dealt round-robin over the visible GPUs, several to a GPU when
+# the world is larger than the machine (NCCL refuses two ranks on one GPU).
+SHARED_GPUS = "gloo_shared_gpus"
 
 
 def _stack_file(pool_id: str, rank: int) -> str:
@@ -46,6 +49,9 @@ def _worker(rank: int, world: int, port: int, backend: str, tasks: Any, results:
     if backend == "nccl":
         torch.cuda.set_device(rank)
         options["device_id"] = torch.device("cuda", rank)
+    elif backend == SHARED_GPUS:
+        torch.cuda.set_device(rank % torch.cuda.device_count())
+        backend = "gloo"
     timeout = datetime.timedelta(seconds=GLOO_TIMEOUT_S)
     store = dist.TCPStore("127.0.0.1", port, is_master=False, timeout=timeout)
     dist.init_process_group(backend, store=store, rank=rank, world_size=world, timeout=timeout, **options)
@@ -62,7 +68,8 @@ def _worker(rank: int, world: int, port: int, backend: str, tasks: Any, results:
 
 
 class DistPool:
-    """`world` spawned ranks in one process group: gloo on CPU, or NCCL with GPU `rank` per rank."""
+    """`world` spawned ranks in one process group: gloo on CPU, NCCL with GPU `rank` per rank, or
+    `SHARED_GPUS`."""
 
     def __init__(self, world: int, backend: str = "gloo") -> None:
         ctx = mp.get_context("spawn")
