@@ -194,9 +194,9 @@ MOE_EP_DEVICE void reduce_channel(const CombineArgs& a, int channel, int first_w
     MOE_EP_PROF(timing.store(comm, prof::kCombine, channel, prof::kCombineReducer, true, warp == 0);)
 }
 
-// Both paths use the same threads: the first warps send (R - 1 for the rings, at least
-// kStagedMinSenders for the staged path), the others reduce. `num_stages` stages of one
-// slot for the rings, `staged_stages` of staged_slots_per_stage slots for the staged path.
+// Both paths use the same threads: the first warps send (R - 1 for the rings, staged_sender_warps for
+// the staged path), the others reduce. `num_stages` stages of one slot for the rings, `staged_stages`
+// of staged_slots_per_stage slots for the staged path.
 template <typename T, int kRanks>
 __global__ void __launch_bounds__(kCombineThreads, 1) combine_kernel(CombineArgs a, CommContext comm, int num_stages,
                                                                       int staged_stages, int slot_bytes) {
@@ -207,7 +207,7 @@ __global__ void __launch_bounds__(kCombineThreads, 1) combine_kernel(CombineArgs
     // prefix matrices that do not match the expert outputs: read nothing.
     if (ld_volatile(comm.peers.ctrl[comm.rank] + ctrl::kDispatchCancelled) != 0) return;
     const int channel = blockIdx.x, warp = threadIdx.x / 32, senders = comm.num_ranks - 1;
-    const int staged_senders = max(senders, kStagedMinSenders);
+    const int staged_senders = staged_sender_warps(comm.num_ranks, staged_stages);
     const StagingPlan plan = plan_staging(a, comm.num_ranks, slot_bytes, staged_stages / staged_senders);
     if (channel == 0 && threadIdx.x == 0) comm.flags->combine_path = plan.staged ? kCombineStaged : kCombineRings;
     if (threadIdx.x == 0) s_abort = 0;
@@ -219,7 +219,7 @@ __global__ void __launch_bounds__(kCombineThreads, 1) combine_kernel(CombineArgs
         // the reducers are (s19-4).
         if (warp < staged_senders)
             send_staged(a, ring, warp * per_sender, per_sender, slots, plan, slot_bytes, s_done[warp], comm, &s_abort);
-        reduce_staged<T, kRanks>(a, plan, slot_bytes, comm, &s_abort);
+        reduce_staged<T, kRanks>(a, plan, slot_bytes, staged_senders, comm, &s_abort);
         return;
     }
     const StageRing ring = make_stage_ring(smem, num_stages, slot_bytes, threadIdx.x == 0);

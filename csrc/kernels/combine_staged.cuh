@@ -32,6 +32,12 @@ __host__ __device__ inline int staged_slots_per_stage(int slot_bytes) {
     return fit < 1 ? 1 : fit > 32 ? 32 : fit;
 }
 
+// Sender warps of a staged block: one per other rank, at least kStagedMinSenders, but no more than can
+// have two of the `staged_stages` stages each (rows of 16 KB leave 13 stages, too few for 7 senders).
+MOE_EP_DEVICE int staged_sender_warps(int R, int staged_stages) {
+    return max(1, min(max(R - 1, kStagedMinSenders), staged_stages / 2));
+}
+
 // Rows rank `from` dispatched to rank `to`, which `to` returns to `from` in combine.
 MOE_EP_DEVICE int rows_between(const int* rank_prefix_matrix, int R, int from, int to) {
     return rank_prefix_matrix[from * R + to] - (from > 0 ? rank_prefix_matrix[(from - 1) * R + to] : 0);
@@ -278,7 +284,7 @@ MOE_EP_DEVICE void send_staged(const CombineArgs& a, const StageRing& ring, int 
 // is prefetched into L2 first, so that the reduction's rounds of loads, each bounded by registers, wait
 // on L2 rather than on HBM.
 template <typename T, int kRanks>
-MOE_EP_DEVICE void reduce_staged(const CombineArgs& a, const StagingPlan& plan, int slot_bytes,
+MOE_EP_DEVICE void reduce_staged(const CombineArgs& a, const StagingPlan& plan, int slot_bytes, int senders,
                                  const CommContext& comm, volatile int* abort) {
     const int lane = threadIdx.x & 31, R = comm.num_ranks, me = comm.rank;
     const int* rpm = a.rank_prefix_matrix;
@@ -336,7 +342,7 @@ MOE_EP_DEVICE void reduce_staged(const CombineArgs& a, const StagingPlan& plan, 
         MOE_EP_PROF(t_prof = timing.add(prof::kCopy, t_prof);)
     }
     MOE_EP_PROF(timing.store(comm, prof::kCombine, blockIdx.x, prof::kCombineReducer, true,
-                             threadIdx.x / 32 == max(comm.num_ranks - 1, kStagedMinSenders));)
+                             threadIdx.x / 32 == senders);)
 }
 
 }  // namespace moe_ep::kernels
