@@ -221,19 +221,34 @@ def test_cuda_matches_torch_backend_on_shared_gpus(shared_gpu_pool, world: int) 
     _check_every_case(shared_gpu_pool(world), timeout=900)
 
 
-def test_async_previous_event_mode(nccl_pool) -> None:
-    world = min(4, torch.cuda.device_count())
-    nccl_pool(world).run(_compare_backends, asdict(Case("async", hidden=1024)), async_mode=True)
-    nccl_pool(world).run(_compare_backends, asdict(Case("async_worst", hidden=1024, num_worst_extra=3)),
-                         async_mode=True)
+PLACEMENTS = ["gpu_per_rank", "shared_gpus"]
 
 
-def test_combine_falls_back_to_rings_when_staging_does_not_fit(nccl_pool) -> None:
+def _up_to_four_ranks(placement: str, nccl_pool, shared_gpu_pool) -> DistPool:
+    """A GPU per rank for up to four ranks; or, on machines with fewer than four GPUs, four ranks
+    sharing them (correctness only)."""
+    count = torch.cuda.device_count()
+    if placement == "gpu_per_rank":
+        return nccl_pool(min(4, count))
+    if count >= 4:
+        pytest.skip("the GPU-per-rank run already has four ranks")
+    return shared_gpu_pool(4)
+
+
+@pytest.mark.parametrize("placement", PLACEMENTS)
+def test_async_previous_event_mode(nccl_pool, shared_gpu_pool, placement: str) -> None:
+    pool = _up_to_four_ranks(placement, nccl_pool, shared_gpu_pool)
+    pool.run(_compare_backends, asdict(Case("async", hidden=1024)), async_mode=True)
+    pool.run(_compare_backends, asdict(Case("async_worst", hidden=1024, num_worst_extra=3)), async_mode=True)
+
+
+@pytest.mark.parametrize("placement", PLACEMENTS)
+def test_combine_falls_back_to_rings_when_staging_does_not_fit(nccl_pool, shared_gpu_pool, placement: str) -> None:
     """512 KiB holds the rings of this case (4 channels x 8 slots of 640 bytes per rank pair) but not
     its staging area (0.9 MB at 2 ranks, 2.3 MB at 4)."""
-    world = min(4, torch.cuda.device_count())
     case = Case("rings_fallback", tokens=(1500, 1300, 1700, 900), hidden=256, config=(4, 2, 8))
-    nccl_pool(world).run(_compare_backends, asdict(case), small_buffer_bytes=1 << 19)
+    _up_to_four_ranks(placement, nccl_pool, shared_gpu_pool).run(_compare_backends, asdict(case),
+                                                                  small_buffer_bytes=1 << 19)
 
 
 def _hashes(rank: int, world: int, repeats: int) -> list[str]:
@@ -260,8 +275,9 @@ def _flatten(value: object) -> list[torch.Tensor]:
     return []
 
 
-def test_pressure_same_seed_same_hash(nccl_pool) -> None:
-    for digests in nccl_pool(4 if torch.cuda.device_count() >= 4 else 2).run(_hashes, 20):
+@pytest.mark.parametrize("placement", PLACEMENTS)
+def test_pressure_same_seed_same_hash(nccl_pool, shared_gpu_pool, placement: str) -> None:
+    for digests in _up_to_four_ranks(placement, nccl_pool, shared_gpu_pool).run(_hashes, 20):
         assert len(set(digests)) == 1, "outputs differ between identical runs"
 
 
