@@ -75,12 +75,12 @@ class CudaBackend(CommBackend):
     128; the kernel falls back to the rings when it does not), or through per-channel rings.
     `staged_combine`: True = staged when it fits, False = rings, None (default) = staged at the world
     sizes in `STAGED_COMBINE_WORLDS`, where it was measured faster than the rings
-    (docs/perf-notes-intranode.md, session 19); it must be the same on every rank (otherwise the
-    combine times out). `last_combine_path()` says which ran.
+    (docs/perf-notes-intranode.md, sessions 19-20; 5-8 ranks not measured); it must be the same on
+    every rank (otherwise the combine times out). `last_combine_path()` says which ran.
     """
 
     name = "cuda"
-    STAGED_COMBINE_WORLDS: frozenset[int] = frozenset({2})
+    STAGED_COMBINE_WORLDS: frozenset[int] = frozenset({2, 3, 4})
     staged_combine: Optional[bool] = None
 
     def __init__(
