@@ -1,7 +1,10 @@
 """A small launcher for examples and scripts: run `fn` on N ranks of one machine.
 
 Under `torchrun` (RANK/WORLD_SIZE set) it joins that job. Otherwise it spawns `world_size` processes:
-NCCL with one GPU each when enough GPUs are visible, else gloo on the CPU.
+NCCL with one GPU each when enough GPUs are visible; gloo with the ranks dealt round-robin over the
+GPUs when there are fewer GPUs than ranks (NCCL refuses two ranks on one GPU; the CUDA kernels work
+between processes sharing a GPU, which take turns on it: right results, not multi-GPU speed); gloo on
+the CPU without GPUs.
 """
 
 from __future__ import annotations
@@ -25,13 +28,14 @@ def free_port() -> int:
 
 def init_distributed(rank: int, world_size: int, timeout_s: float = 300) -> torch.device:
     """Initialize the default process group for this rank; returns the device it should use."""
-    use_cuda = torch.cuda.is_available() and torch.cuda.device_count() >= world_size
-    device = torch.device("cuda", rank % max(torch.cuda.device_count(), 1)) if use_cuda else torch.device("cpu")
-    if use_cuda:
+    num_gpus = torch.cuda.device_count() if torch.cuda.is_available() else 0
+    device = torch.device("cuda", rank % num_gpus) if num_gpus else torch.device("cpu")
+    use_nccl = num_gpus >= world_size
+    if num_gpus:
         torch.cuda.set_device(device)
-    dist.init_process_group("nccl" if use_cuda else "gloo", rank=rank, world_size=world_size,
+    dist.init_process_group("nccl" if use_nccl else "gloo", rank=rank, world_size=world_size,
                             timeout=datetime.timedelta(seconds=timeout_s),
-                            **({"device_id": device} if use_cuda else {}))
+                            **({"device_id": device} if use_nccl else {}))
     return device
 
 

@@ -2,10 +2,13 @@
 # One device call: build the extensions, run tests/gpu, run the benchmarks; logs and JSON under $OUT, a
 # short table printed last.
 #   bash scripts/gpu_check.sh [parts] [extra intranode-benchmark args...]
-#   parts: comma list of build,test,bench,ll,layer,fp8gemm,probe,examples,decodediag (default: the first six);
-#     test: every tests/gpu file on its own (FILE_TIMEOUT seconds each, then SIGINT so that pytest still
-#     reports failures and durations; one log), so a hang in one file costs only its own time; TESTS
-#     narrows the files, PYTEST_ARGS adds pytest options;
+#   parts: comma list of build,test,bench,ll,layer,fp8gemm,probe,examples,decodediag (default: the first six
+#     on a machine with EP GPUs or more; build,test,fp8gemm on smaller ones, whose multi-rank tests put
+#     several ranks on a GPU);
+#     test: every tests/gpu file on its own (its timeout from FILE_TIMEOUTS, else FILE_TIMEOUT seconds,
+#     then SIGINT so that pytest still reports failures and durations; one log), so a hang in one file
+#     costs only its own time; TESTS narrows the files, PYTEST_ARGS adds pytest options; the summary
+#     lists per file passed/failed/skipped and every skip reason;
 #     bench: the intranode benchmark (BENCH_TIMEOUT); ll: the low-latency benchmark (LL_TIMEOUT), once per
 #     MOE_EP_LOW_LATENCY_TRANSPORT in LL_TRANSPORTS (default "auto"; "auto nvshmem" compares the
 #     whole-program module with the relocatable one, "nvshmem_puts" times the put path of peers without
@@ -14,7 +17,8 @@
 #     one GPU (FP8GEMM_TIMEOUT, FP8GEMM_ARGS: e.g. --profile);
 #     probe: benchmarks/nvlink_probe.cu (row copies between GPUs at once: push vs pull, and the dispatch's
 #     fan-out with tail publishing; no torch; PROBE_ARGS: rows row_bytes gpus, default 11000 14336 2);
-#     examples: the DeepSeek-V3-style training on every GPU and the accelerate fine-tuning on 2 GPUs
+#     examples: the DeepSeek-V3-style training on every GPU (its 2 ranks share the GPU on a one-GPU machine)
+#     and the accelerate fine-tuning on 2 GPUs
 #     (EXAMPLES_TIMEOUT each, output in examples.log, loss curve and metrics in files.tgz).
 # Benchmarks run with MOE_EP_CHECK_VALUES=0 (no front-end value checks, as in DeepEP). At most 8 files come
 # back from $OUT, so all benchmark logs go to one bench.log (next to gpus.txt, build.log, pytest.log and
@@ -31,10 +35,17 @@ export NVSHMEM_REMOTE_TRANSPORT=${NVSHMEM_REMOTE_TRANSPORT:-none}
 OUT=${OUT:-$PWD/out}
 FILES=$OUT/files
 mkdir -p "$OUT" "$FILES"
-PARTS=${1:-build,test,bench,ll,layer,fp8gemm}
-shift || true
 PY=${PYTHON:-python3}
 EP=${EP:-4}
+NUM_GPUS=$(nvidia-smi -L 2>/dev/null | grep -c "^GPU")
+if (( NUM_GPUS >= EP )); then DEFAULT_PARTS=build,test,bench,ll,layer,fp8gemm; else DEFAULT_PARTS=build,test,fp8gemm; fi
+PARTS=${1:-$DEFAULT_PARTS}
+shift || true
+# Seconds per test file (the files run one after another; a file past its time is stopped with SIGINT).
+declare -A FILE_TIMEOUTS=(
+    [test_cuda_backend.py]=150 [test_low_latency_cuda.py]=240 [test_moe_layer_gpu.py]=150
+    [test_autograd_gpu.py]=90 [test_fp8_gemm_cuda.py]=90 [test_dist_pool_gpu.py]=60 [test_torch_backend_nccl.py]=120
+)
 # MOE_EP_BUILD_LOW_LATENCY=0 leaves the low-latency part out of the build (setup.py).
 has() { [[ ",$PARTS," == *",$1,"* ]]; }
 summary=()
@@ -60,16 +71,23 @@ fi
 
 if has test; then
     : > "$OUT/pytest.log"
+    skips=()
     for file in ${TESTS:-tests/gpu/test_*.py}; do
+        name=$(basename "$file")
         start=$(date +%s)
+        first=$(( $(wc -l < "$OUT/pytest.log") + 2 ))
         echo "================ $file" >> "$OUT/pytest.log"
         # SIGINT first: pytest then still prints its failures and the slowest tests' durations.
-        timeout -s INT -k 30 ${FILE_TIMEOUT:-150} $PY -m pytest "$file" -q ${PYTEST_ARGS:-} -p no:cacheprovider -rfE \
-            --durations=15 --durations-min=2 >> "$OUT/pytest.log" 2>&1
+        timeout -s INT -k 30 "${FILE_TIMEOUTS[$name]:-${FILE_TIMEOUT:-150}}" $PY -m pytest "$file" -q ${PYTEST_ARGS:-} \
+            -p no:cacheprovider -rfEs --durations=15 --durations-min=2 >> "$OUT/pytest.log" 2>&1
         rc=$?
-        summary+=("$(basename "$file"): rc=$rc in $(( $(date +%s) - start )) s: $(tail -1 "$OUT/pytest.log")")
+        summary+=("$name: rc=$rc in $(( $(date +%s) - start )) s: $(tail -1 "$OUT/pytest.log")")
+        # pytest -rs: "SKIPPED [count] file:line: reason", one line per distinct reason.
+        while IFS= read -r line; do skips+=("  $line"); done < <(tail -n +"$first" "$OUT/pytest.log" |
+            grep -a -E "^SKIPPED \[" | sed -E 's/^SKIPPED \[([0-9]+)\] [^ ]*tests\/gpu\/([^:]+):[0-9]+: /\1 x \2: /')
     done
     grep -E "^(FAILED|ERROR)" "$OUT/pytest.log" | head -30
+    summary+=("skipped tests (count x file: reason):" "${skips[@]}")
 fi
 
 # run_bench LABEL TIMEOUT SCRIPT JSON [args...]: one benchmark, its log appended to bench.log. Value
@@ -144,11 +162,15 @@ run_example() {
 if has examples; then
     runs=/tmp/moe_ep_examples
     rm -rf "$runs"
-    run_example train $PY examples/train_deepseek_v3.py --out-dir "$runs/train"
+    run_example train $PY examples/train_deepseek_v3.py --world $(( NUM_GPUS >= 2 ? NUM_GPUS : 2 )) --out-dir "$runs/train"
     cp "$runs/train/loss.png" "$FILES/train_loss_gpu.png" 2>/dev/null
     cp "$runs/train/metrics.json" "$FILES/train_metrics_gpu.json" 2>/dev/null
-    run_example finetune accelerate launch --multi_gpu --num_processes 2 examples/finetune_hf_moe.py --short \
-        --out-dir "$runs/finetune"
+    if (( NUM_GPUS >= 2 )); then
+        run_example finetune accelerate launch --multi_gpu --num_processes 2 examples/finetune_hf_moe.py --short \
+            --out-dir "$runs/finetune"
+    else
+        summary+=("example finetune: skipped: accelerate's multi-GPU mode runs NCCL, one GPU per rank (the CPU tests run it on gloo)")
+    fi
 fi
 
 tar czf "$OUT/files.tgz" -C "$FILES" . && rm -rf "$FILES"

@@ -18,6 +18,8 @@ import time
 import traceback
 from typing import Any, Callable, Optional
 
+import pytest
+import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
@@ -30,6 +32,25 @@ RUN_TIMEOUT_CAP_ENV = "MOE_EP_TEST_RUN_TIMEOUT_S"
 # Pool backend: gloo, with the ranks dealt round-robin over the visible GPUs, several to a GPU when
 # the world is larger than the machine (NCCL refuses two ranks on one GPU).
 SHARED_GPUS = "gloo_shared_gpus"
+
+
+def gpu_pool_backend(world: int) -> str:
+    """The pool backend `gpu_pool` uses for `world` ranks on this machine: "nccl" with a GPU per rank when
+    there are enough GPUs, else `SHARED_GPUS`."""
+    return "nccl" if torch.cuda.device_count() >= world else SHARED_GPUS
+
+
+def gpu_worlds(*worlds: int, most_sharing: int = 8) -> list:
+    """`worlds` as pytest parameters for `gpu_pool`: a world runs with a GPU per rank where the machine
+    has enough GPUs, else with its ranks sharing the GPUs when there are at most `most_sharing` of them
+    (per test: what fits in GPU memory and time), else it is skipped with the reason."""
+    count = torch.cuda.device_count()
+    params = []
+    for world in worlds:
+        fits = count >= world or (count > 0 and world <= most_sharing)
+        reason = f"{world} ranks need {world} GPUs (found {count}); ranks sharing GPUs are tested up to {most_sharing}"
+        params.append(pytest.param(world, marks=() if fits else pytest.mark.skip(reason=reason)))
+    return params
 
 
 def _stack_file(pool_id: str, rank: int) -> str:

@@ -57,9 +57,10 @@ def test_hung_worker_is_reported_with_its_stack() -> None:
 
 
 def test_run_timeout_cap_from_environment(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setenv(RUN_TIMEOUT_CAP_ENV, "2")
     pool = DistPool(2)
     try:
+        assert pool.run(_identity) == [0, 1]  # both ranks up: spawning alone can take seconds on a busy machine
+        monkeypatch.setenv(RUN_TIMEOUT_CAP_ENV, "2")
         started = time.monotonic()
         with pytest.raises(AssertionError, match=r"ranks \[1\] did not answer within 2.0 s \(hang\)"):
             pool.run(_rank_one_hangs, timeout=120)

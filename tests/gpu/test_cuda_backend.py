@@ -1,4 +1,5 @@
-"""The CUDA backend against the torch backend (the oracle) on the same inputs, over NCCL at 2-4 ranks.
+"""The CUDA backend against the torch backend (the oracle) on the same inputs, at 2-8 ranks: a GPU per
+rank over NCCL where the machine has enough GPUs, else ranks sharing the GPUs over gloo.
 
 Every output must be bitwise identical: dispatch data, scales, top-k ids and weights, expert counts,
 every handle tensor; combine (same float32 summation order) through both of its paths, the staging
@@ -20,14 +21,13 @@ import torch.distributed as dist
 
 import moe_ep
 from moe_ep.ops import fp8
-from dist_pool import DistPool
+from dist_pool import DistPool, gpu_worlds
 from reference import expert_output, make_inputs, tokens_for
 
 pytestmark = pytest.mark.skipif(
     not (torch.cuda.is_available() and importlib.util.find_spec("moe_ep._C") is not None),
     reason="needs a CUDA device and the built moe_ep._C extension")
 
-WORLDS = [2, 3, 4, 8]  # 8 runs where 8 GPUs exist (the pool skips it otherwise)
 NVL_BYTES = 1 << 30
 EXACT_FIT = -2  # Case.num_worst_extra: num_worst_tokens = the most rows any rank receives
 _BUFFERS: dict[str, moe_ep.Buffer] = {}
@@ -206,19 +206,11 @@ def _check_every_case(pool: DistPool, timeout: float) -> None:
     assert not failed, "\n".join(f"{k}: {v}" for k, v in failed.items())
 
 
-@pytest.mark.parametrize("world", WORLDS)
-def test_cuda_matches_torch_backend(nccl_pool, world: int) -> None:
-    _check_every_case(nccl_pool(world), timeout=600)
-
-
-@pytest.mark.parametrize("world", WORLDS[1:])
-def test_cuda_matches_torch_backend_on_shared_gpus(shared_gpu_pool, world: int) -> None:
-    """World sizes the machine has too few GPUs for, with several ranks to a GPU over gloo: the kernels'
-    multi-rank logic (the staged combine's plan and claims among it) checked on small machines. Kernels
-    of ranks that share a GPU take turns on it, so nothing here says anything about speed."""
-    if torch.cuda.device_count() >= world:
-        pytest.skip("test_cuda_matches_torch_backend runs this world with a GPU per rank")
-    _check_every_case(shared_gpu_pool(world), timeout=900)
+@pytest.mark.parametrize("world", gpu_worlds(2, 3, 4, 8))
+def test_cuda_matches_torch_backend(gpu_pool, world: int) -> None:
+    """On machines with fewer GPUs than ranks the ranks share them: the kernels' multi-rank logic (the
+    staged combine's plan and claims among it) is checked there too, but not their speed."""
+    _check_every_case(gpu_pool(world), timeout=900)
 
 
 PLACEMENTS = ["gpu_per_rank", "shared_gpus"]
@@ -229,6 +221,8 @@ def _up_to_four_ranks(placement: str, nccl_pool, shared_gpu_pool) -> DistPool:
     sharing them (correctness only)."""
     count = torch.cuda.device_count()
     if placement == "gpu_per_rank":
+        if count < 2:
+            pytest.skip(f"a GPU per rank needs at least 2 GPUs, found {count}; the shared_gpus placement runs instead")
         return nccl_pool(min(4, count))
     if count >= 4:
         pytest.skip("the GPU-per-rank run already has four ranks")
@@ -305,8 +299,8 @@ def _graph_captured_dispatch(rank: int, world: int) -> None:
     _same(captured, eager, "graph replay")
 
 
-def test_num_worst_tokens_dispatch_captures_in_cuda_graph(nccl_pool) -> None:
-    nccl_pool(2).run(_graph_captured_dispatch, timeout=120)
+def test_num_worst_tokens_dispatch_captures_in_cuda_graph(gpu_pool) -> None:
+    gpu_pool(2).run(_graph_captured_dispatch, timeout=120)
 
 
 def _limit(scenario: str, rank: int, world: int, fits: int) -> int:
@@ -358,14 +352,14 @@ def _worst_tokens_overflow(rank: int, world: int, scenario: str) -> str:
 
 
 @pytest.mark.parametrize("scenario", ["every_rank_too_small", "one_rank_too_small", "waiting_rank"])
-def test_num_worst_tokens_overflow_raises_everywhere(nccl_pool, scenario: str) -> None:
-    world = min(4, torch.cuda.device_count())
-    messages = nccl_pool(world).run(_worst_tokens_overflow, scenario, timeout=120)
+def test_num_worst_tokens_overflow_raises_everywhere(gpu_pool, scenario: str) -> None:
+    world = 4
+    messages = gpu_pool(world).run(_worst_tokens_overflow, scenario, timeout=120)
     overflowing = 0 if scenario == "every_rank_too_small" else world - 1
     for message in messages:
         assert message.startswith(f"num_worst_tokens: too small, rank {overflowing} receives"), message
     # Other Buffers of the same ranks are unaffected.
-    nccl_pool(world).run(_compare_backends, asdict(Case("after_overflow", hidden=256, num_worst_extra=0)))
+    gpu_pool(world).run(_compare_backends, asdict(Case("after_overflow", hidden=256, num_worst_extra=0)))
 
 
 def _absent_peer(rank: int, world: int) -> str:
@@ -389,6 +383,6 @@ def _absent_peer(rank: int, world: int) -> str:
     return outcome
 
 
-def test_absent_peer_times_out_and_raises(nccl_pool) -> None:
-    outcomes = nccl_pool(2).run(_absent_peer, timeout=120)
+def test_absent_peer_times_out_and_raises(gpu_pool) -> None:
+    outcomes = gpu_pool(2).run(_absent_peer, timeout=120)
     assert "peer rank never reached the barrier" in outcomes[0], outcomes[0]

@@ -1,5 +1,6 @@
-"""The test pool on GPUs: a rank that hangs after NCCL, CUDA and our Buffers have run in its process
-is still reported with its Python stack (in session 13 no NCCL worker wrote one on SIGUSR1)."""
+"""The test pool on GPUs: a rank that hangs after the process group, CUDA and our Buffers have run in its
+process is still reported with its Python stack (NCCL and NVSHMEM start threads of their own, which
+must not keep the hung rank from writing it on SIGUSR1)."""
 
 from __future__ import annotations
 
@@ -15,7 +16,7 @@ from test_dist_pool import _rank_one_hangs
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA GPUs")
 
 
-def _use_nccl_and_buffers(rank: int, world: int) -> float:
+def _use_group_and_buffers(rank: int, world: int) -> float:
     """An all-reduce, then every Buffer this build can make (normal mode; low latency, which starts
     NVSHMEM), as the layer tests do before a case can hang."""
     value = torch.full((4,), float(rank + 1), device="cuda")
@@ -32,9 +33,9 @@ def _use_nccl_and_buffers(rank: int, world: int) -> float:
     return float(value[0])
 
 
-def test_hung_nccl_worker_is_reported_with_its_stack(nccl_pool) -> None:
-    pool = nccl_pool(2)
-    assert pool.run(_use_nccl_and_buffers) == [3.0, 3.0]
+def test_hung_gpu_worker_is_reported_with_its_stack(gpu_pool) -> None:
+    pool = gpu_pool(2)
+    assert pool.run(_use_group_and_buffers) == [3.0, 3.0]
     with pytest.raises(AssertionError) as failure:
         pool.run(_rank_one_hangs, timeout=3)
     message = str(failure.value)

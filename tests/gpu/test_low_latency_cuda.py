@@ -1,4 +1,7 @@
-"""CUDA low-latency mode (NVSHMEM kernels) against the torch backend on the same inputs, at 2-4 ranks.
+"""CUDA low-latency mode (NVSHMEM kernels) against the torch backend on the same inputs, at 2-4 ranks (8
+with 8 GPUs): a GPU per rank over NCCL where the machine has enough GPUs, else several NVSHMEM PEs sharing
+a GPU over gloo. NVSHMEM maps PEs of one GPU into each other like peers over NVLink, so both transports
+(direct stores, NVSHMEM puts) run there too; such runs check correctness, never speed.
 
 Every rank runs both backends on identical inputs and compares, per local expert, the set of
 (source rank, token) rows received with their data and scales bit for bit, `recv_count`, the counts of
@@ -21,6 +24,7 @@ from moe_ep.ops.backends.cuda_low_latency import LowLatencyRuntime, low_latency_
 from moe_ep.ops.backends.torch_backend import TorchBackend
 from moe_ep.ops.config import low_latency_buffer_bytes
 from moe_ep.ops.routing import unpack_layout_range
+from dist_pool import DistPool, gpu_pool_backend, gpu_worlds
 from reference import make_inputs, tokens_for
 from test_buffer_low_latency import Case
 
@@ -49,6 +53,8 @@ CASES = [
 ]
 # One symmetric buffer per worker process serves every case and world size (changing sizes cleans it).
 MAX_WORLD = 8
+# Most PEs put on one GPU: each holds its own NVSHMEM heap and CUDA context, and their kernels take turns.
+MOST_SHARING = 4
 BUFFER_BYTES = max(low_latency_buffer_bytes(c.max_tokens, c.hidden, MAX_WORLD, c.experts_per_rank * MAX_WORLD)
                    for c in CASES)
 
@@ -173,10 +179,10 @@ def _compare_case(rank: int, world: int, case: dict, seed: int = 1234) -> int:
 
 
 @needs_gpu
-@pytest.mark.parametrize("world", [2, 3, 4, 8])
+@pytest.mark.parametrize("world", gpu_worlds(2, 3, 4, 8, most_sharing=MOST_SHARING))
 @pytest.mark.parametrize("case", CASES, ids=lambda c: c.name)
-def test_low_latency_cuda_matches_torch(nccl_pool, world: int, case: Case) -> None:
-    received = nccl_pool(world).run(_compare_case, asdict(case), timeout=600)
+def test_low_latency_cuda_matches_torch(gpu_pool, world: int, case: Case) -> None:
+    received = gpu_pool(world).run(_compare_case, asdict(case), timeout=600)
     assert sum(received) > 0
 
 
@@ -188,11 +194,12 @@ def _transport(rank: int, world: int) -> tuple[str, str, bool]:
 
 
 @needs_gpu
-@pytest.mark.skipif(torch.cuda.device_count() < 2 or not torch.cuda.can_device_access_peer(0, 1),
-                    reason="needs 2 GPUs with peer access")
-def test_low_latency_uses_whole_program_module_on_one_host(nccl_pool) -> None:
-    """One host with P2P everywhere: the P2P-only module (whole-program kernels) is chosen."""
-    for transport, module, mapped in nccl_pool(2).run(_transport):
+@pytest.mark.skipif(torch.cuda.device_count() >= 2 and not torch.cuda.can_device_access_peer(0, 1),
+                    reason="GPUs 0 and 1 have no peer access")
+def test_low_latency_uses_whole_program_module_on_one_host(gpu_pool) -> None:
+    """One host with P2P everywhere (or PEs sharing one GPU): the P2P-only module (whole-program kernels)
+    is chosen."""
+    for transport, module, mapped in gpu_pool(2).run(_transport):
         assert (transport, module, mapped) == ("p2p", "moe_ep._low_latency_p2p", True)
 
 
@@ -204,19 +211,15 @@ def _compare_cases(rank: int, world: int, cases: list[dict]) -> tuple[str, bool,
 
 
 @needs_gpu
-@pytest.mark.parametrize("world", [2, 4, 8])
+@pytest.mark.parametrize("world", gpu_worlds(2, 3, 4, 8, most_sharing=MOST_SHARING))
 @pytest.mark.parametrize("transport", ["nvshmem", "nvshmem_puts"])
 def test_low_latency_relocatable_module_matches_torch(monkeypatch, transport: str, world: int) -> None:
     """MOE_EP_LOW_LATENCY_TRANSPORT=nvshmem: the relocatable module (NVSHMEM device library) gives the same
     results on the cases that exercise BF16, FP8 with UE8M0, hooks, zero-copy, skew and an empty rank;
     =nvshmem_puts: the same with every peer reached through NVSHMEM puts (the multi-node path)."""
-    if torch.cuda.device_count() < world:
-        pytest.skip(f"needs {world} GPUs")
-    from dist_pool import DistPool
-
     monkeypatch.setenv("MOE_EP_LOW_LATENCY_TRANSPORT", transport)  # spawned workers inherit it
     names = ("bf16_h128_top1", "ue8m0_h7168_top8_hook_zero_copy", "fp8_h7168_top16_skewed_empty_rank")
-    pool = DistPool(world, "nccl")
+    pool = DistPool(world, gpu_pool_backend(world))
     try:
         outcomes = pool.run(_compare_cases, [asdict(c) for c in CASES if c.name in names], timeout=600)
     finally:
@@ -273,10 +276,10 @@ def _two_micro_batches(rank: int, world: int, case: dict) -> int:
 
 
 @needs_gpu
-@pytest.mark.parametrize("world", [2, 4, 8])
-def test_low_latency_cuda_two_in_flight(nccl_pool, world: int) -> None:
+@pytest.mark.parametrize("world", gpu_worlds(2, 4, 8, most_sharing=MOST_SHARING))
+def test_low_latency_cuda_two_in_flight(gpu_pool, world: int) -> None:
     case = Case("two_in_flight", hidden=7168, tokens=(48, 33, 48, 40), max_tokens=48, experts_per_rank=8)
-    assert sum(nccl_pool(world).run(_two_micro_batches, asdict(case), timeout=600)) > 0
+    assert sum(gpu_pool(world).run(_two_micro_batches, asdict(case), timeout=600)) > 0
 
 
 # ------------------------------------------------------------------ CUDA graphs
@@ -313,11 +316,11 @@ def _graph_replay(rank: int, world: int, case: dict) -> int:
 
 
 @needs_gpu
-@pytest.mark.parametrize("world", [2, 4, 8])
-def test_low_latency_cuda_graph_replay(nccl_pool, world: int) -> None:
+@pytest.mark.parametrize("world", gpu_worlds(2, 4, 8, most_sharing=MOST_SHARING))
+def test_low_latency_cuda_graph_replay(gpu_pool, world: int) -> None:
     case = Case("graph", hidden=7168, tokens=(64, 64, 64, 64), max_tokens=64, experts_per_rank=8, round_scale=True,
                 use_ue8m0=True)
-    assert sum(nccl_pool(world).run(_graph_replay, asdict(case), timeout=600)) > 0
+    assert sum(gpu_pool(world).run(_graph_replay, asdict(case), timeout=600)) > 0
 
 
 # ------------------------------------------------------------------ pressure
@@ -352,10 +355,10 @@ def _pressure(rank: int, world: int, case: dict, rounds: int) -> int:
 
 
 @needs_gpu
-@pytest.mark.parametrize("world", [3, 4])
-def test_low_latency_cuda_repeated_seeds(nccl_pool, world: int) -> None:
+@pytest.mark.parametrize("world", gpu_worlds(3, 4, most_sharing=MOST_SHARING))
+def test_low_latency_cuda_repeated_seeds(gpu_pool, world: int) -> None:
     case = Case("pressure", hidden=7168, tokens=(128, 96, 128, 77), max_tokens=128, experts_per_rank=16)
-    assert nccl_pool(world).run(_pressure, asdict(case), 40, timeout=900) == [5] * world
+    assert gpu_pool(world).run(_pressure, asdict(case), 40, timeout=900) == [5] * world
 
 
 # ------------------------------------------------------------------ a missing peer
@@ -389,8 +392,8 @@ def _absent_peer(rank: int, world: int) -> str:
 
 
 @needs_gpu
-def test_low_latency_cuda_missing_peer_times_out(nccl_pool) -> None:
-    outcomes = nccl_pool(2).run(_absent_peer, timeout=300)
+def test_low_latency_cuda_missing_peer_times_out(gpu_pool) -> None:
+    outcomes = gpu_pool(2).run(_absent_peer, timeout=300)
     assert "peer" in outcomes[0]
 
 
@@ -415,8 +418,8 @@ def _clean_without_peer(rank: int, world: int) -> tuple[str, str]:
 
 
 @needs_gpu
-def test_low_latency_barriers_time_out(nccl_pool) -> None:
-    outcomes = nccl_pool(2).run(_clean_without_peer, timeout=300)
+def test_low_latency_barriers_time_out(gpu_pool) -> None:
+    outcomes = gpu_pool(2).run(_clean_without_peer, timeout=300)
     assert "peer" in outcomes[0][0]
     for _, destroy_error in outcomes:
         assert "not freed" in destroy_error

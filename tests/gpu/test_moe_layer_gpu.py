@@ -1,8 +1,10 @@
-"""MoELayer on GPUs over NCCL: the CPU tests' dense-reference checks, plus shared-expert overlap.
+"""MoELayer on GPUs: the CPU tests' dense-reference checks, plus shared-expert overlap.
 
 Each case runs the layer with the CUDA backend when it can serve the case (BF16/FP8 tokens; NVSHMEM
 for low-latency mode) and the torch backend otherwise; results are compared on the CPU with the
-float64 reference of `tests/test_moe_layer.py`. Every rank uses `cuda:rank` (see `nccl_pool`).
+float64 reference of `tests/test_moe_layer.py`. Ranks get a GPU each over NCCL where the machine has
+enough, else share the GPUs over gloo (see `gpu_pool`); at most four share one (low-latency mode runs
+an NVSHMEM PE per rank).
 """
 
 from __future__ import annotations
@@ -14,6 +16,7 @@ import torch
 
 import test_moe_layer as cpu
 from moe_ep.ops.backends import cuda_extension_available
+from dist_pool import gpu_worlds
 from reference import to_cpu
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA GPUs")
@@ -54,14 +57,14 @@ def bound(case: cpu.Case) -> float:
     return cpu.FLOAT64_BOUND if case.dtype == "float64" else cpu.BF16_BOUND
 
 
-@pytest.mark.parametrize("world", [2, 4, 8])
+@pytest.mark.parametrize("world", gpu_worlds(2, 4, 8, most_sharing=4))
 @pytest.mark.parametrize("case", LAYER_CASES, ids=lambda c: c.name)
-def test_layer_matches_dense_reference_on_gpu(nccl_pool, world: int, case: cpu.Case) -> None:
-    got = nccl_pool(world).run(cpu._layer_grads, asdict(case), "cuda", backend_for(case))
+def test_layer_matches_dense_reference_on_gpu(gpu_pool, world: int, case: cpu.Case) -> None:
+    got = gpu_pool(world).run(cpu._layer_grads, asdict(case), "cuda", backend_for(case))
     cpu.check_against_dense(got, case, world, bound(case))
 
 
-@pytest.mark.parametrize("world", [2, 4, 8])
+@pytest.mark.parametrize("world", gpu_worlds(2, 4, 8, most_sharing=4))
 @pytest.mark.parametrize("case", [
     cpu.Case("decode_bf16", dtype="bfloat16", hidden=512, inter=128, experts_per_rank=4, topk=4,
              tokens=(64, 1, 31, 0)),
@@ -69,8 +72,8 @@ def test_layer_matches_dense_reference_on_gpu(nccl_pool, world: int, case: cpu.C
     cpu.Case("decode_fp8", dtype="bfloat16", hidden=512, inter=128, experts_per_rank=4, topk=4,
              tokens=(64, 20, 40, 9), fp8_dispatch=True, fp8_experts=True),
 ], ids=lambda c: c.name)
-def test_low_latency_decode_matches_forward_on_gpu(nccl_pool, world: int, case: cpu.Case) -> None:
-    results = nccl_pool(world).run(cpu._decode_vs_forward, asdict(case), "cuda", backend_for(case, low_latency=True))
+def test_low_latency_decode_matches_forward_on_gpu(gpu_pool, world: int, case: cpu.Case) -> None:
+    results = gpu_pool(world).run(cpu._decode_vs_forward, asdict(case), "cuda", backend_for(case, low_latency=True))
     ref_ranks, _ = cpu.dense_moe(case, world)
     for (decoded, forward), ref in zip(results, ref_ranks):
         assert decoded.shape == forward.shape == ref["out"].shape
@@ -103,10 +106,10 @@ def _overlap_vs_sequential(rank: int, world: int, case: dict, backend: str) -> l
     return runs
 
 
-@pytest.mark.parametrize("world", [2, 4])
-def test_shared_expert_overlap_equals_sequential(nccl_pool, world: int) -> None:
+@pytest.mark.parametrize("world", gpu_worlds(2, 4, most_sharing=4))
+def test_shared_expert_overlap_equals_sequential(gpu_pool, world: int) -> None:
     case = replace(OVERLAP_CASE, tokens=OVERLAP_CASE.tokens[:world])
-    for runs in nccl_pool(world).run(_overlap_vs_sequential, asdict(case), backend_for(case)):
+    for runs in gpu_pool(world).run(_overlap_vs_sequential, asdict(case), backend_for(case)):
         # Same kernels on the same data in the same order: any race between the streams shows as a difference.
         for other in runs[1:]:
             for name, value in runs[0].items():

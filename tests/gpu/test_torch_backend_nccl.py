@@ -1,4 +1,6 @@
-"""The PyTorch backend on GPUs over NCCL gives the dense reference's results, like on gloo."""
+"""The PyTorch backend on GPUs over NCCL gives the dense reference's results, like on gloo. NCCL takes one
+GPU per rank, so a world larger than the machine's GPU count is skipped (the other GPU test files run
+the torch backend on shared GPUs over gloo)."""
 
 from __future__ import annotations
 
