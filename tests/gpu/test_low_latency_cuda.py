@@ -23,7 +23,7 @@ from moe_ep.ops.backends.base import LowLatencyDispatchResult
 from moe_ep.ops.backends.cuda_low_latency import LowLatencyRuntime, low_latency_available
 from moe_ep.ops.backends.torch_backend import TorchBackend
 from moe_ep.ops.config import low_latency_buffer_bytes
-from moe_ep.ops.routing import unpack_layout_range
+from moe_ep.ops.routing import expand_blocks, unpack_layout_range
 from dist_pool import DistPool, gpu_pool_backend, gpu_worlds
 from reference import make_inputs, tokens_for
 from test_buffer_low_latency import Case
@@ -111,24 +111,23 @@ def _combine(backend, inputs, result: LowLatencyDispatchResult, c: Case, rank: i
 # ------------------------------------------------------------------ comparisons
 
 
-def _canonical_rows(result: LowLatencyDispatchResult, max_tokens: int) -> list[tuple[torch.Tensor, ...]]:
-    """Per local expert: (source rank * max_tokens + token) keys sorted, with the rows' bytes and scales."""
-    count, begin = (t.tolist() for t in unpack_layout_range(result.handle.layout_range.cpu()))
-    out = []
-    for e in range(len(count)):
-        keys, rows = [], []
-        for s in range(len(count[e])):
-            b, n = begin[e][s], count[e][s]
-            rows.append(torch.arange(b, b + n, device="cuda"))
-            keys.append(s * max_tokens + result.handle.src_info[e, b:b + n].long())
-        keys_t, rows_t = torch.cat(keys), torch.cat(rows)
-        order = keys_t.argsort()
-        keys_t, rows_t = keys_t[order], rows_t[order]
-        data = result.recv_x.view(torch.uint8)[e, rows_t]  # index bytes: FP8 indexing is not needed
-        scales = result.recv_x_scales[e, rows_t].contiguous().view(torch.int32) \
-            if result.recv_x_scales is not None else torch.empty(0)
-        out.append((keys_t, data, scales))
-    return out
+def _canonical_rows(result: LowLatencyDispatchResult, max_tokens: int) -> tuple[torch.Tensor, ...]:
+    """Every valid row of every local expert, experts in order and each expert's rows sorted by their
+    (source rank * max_tokens + token) key: (expert, key, data bytes, scale words), gathered at once
+    (kernels of ranks sharing a GPU take turns on it, so every small operation and sync is slow there)."""
+    count, begin = unpack_layout_range(result.handle.layout_range)  # [El, R]
+    num_local, num_ranks = count.shape
+    counts = count.flatten()
+    rows = expand_blocks(begin.flatten(), counts)
+    experts = torch.arange(num_local, device=counts.device).repeat_interleave(num_ranks).repeat_interleave(counts)
+    sources = torch.arange(num_ranks, device=counts.device).repeat(num_local).repeat_interleave(counts)
+    keys = sources * max_tokens + result.handle.src_info[experts, rows].long()
+    order = torch.argsort(experts * (num_ranks * max_tokens) + keys, stable=True)
+    experts, rows, keys = experts[order], rows[order], keys[order]
+    data = result.recv_x.view(torch.uint8)[experts, rows]  # index bytes: FP8 indexing is not needed
+    scales = result.recv_x_scales[experts, rows].contiguous().view(torch.int32) \
+        if result.recv_x_scales is not None else torch.empty(0, dtype=torch.int32, device=data.device)
+    return experts, keys, data, scales
 
 
 def _assert_same_dispatch(g: LowLatencyDispatchResult, w: LowLatencyDispatchResult, max_tokens: int) -> None:
@@ -142,10 +141,12 @@ def _assert_same_dispatch(g: LowLatencyDispatchResult, w: LowLatencyDispatchResu
     if w.recv_x_scales is not None:
         assert g.recv_x_scales.dtype == w.recv_x_scales.dtype and g.recv_x_scales.shape == w.recv_x_scales.shape
         assert g.recv_x_scales.stride() == w.recv_x_scales.stride()
-    for e, (gr, wr) in enumerate(zip(_canonical_rows(g, max_tokens), _canonical_rows(w, max_tokens))):
-        assert torch.equal(gr[0], wr[0]), f"local expert {e}: different (source, token) rows"
-        assert torch.equal(gr[1], wr[1]), f"local expert {e}: different data bytes"
-        assert torch.equal(gr[2], wr[2]), f"local expert {e}: different scales"
+    experts, *got = _canonical_rows(g, max_tokens)
+    _, *want = _canonical_rows(w, max_tokens)
+    for what, got_rows, want_rows in zip(("(source, token) rows", "data bytes", "scales"), got, want):
+        if not torch.equal(got_rows, want_rows):
+            differs = (got_rows != want_rows).reshape(got_rows.size(0), -1).any(1).nonzero()
+            raise AssertionError(f"local expert {int(experts[differs[0, 0]])}: different {what}")
 
 
 def _assert_same_combine(got: torch.Tensor, want: torch.Tensor) -> None:
@@ -328,9 +329,8 @@ def test_low_latency_cuda_graph_replay(gpu_pool, world: int) -> None:
 
 def _digest(result: LowLatencyDispatchResult, combined: torch.Tensor, max_tokens: int) -> str:
     h = hashlib.sha256()
-    for keys, data, scales in _canonical_rows(result, max_tokens):
-        for t in (keys, data, scales):
-            h.update(t.cpu().contiguous().view(torch.uint8).numpy().tobytes())
+    for t in _canonical_rows(result, max_tokens):
+        h.update(t.cpu().contiguous().view(torch.uint8).numpy().tobytes())
     h.update(combined.cpu().view(torch.uint8).numpy().tobytes())
     return h.hexdigest()
 
