@@ -51,19 +51,20 @@ CASES = [
     gpu_case("fp8_h7168_decode_shape", hidden=7168, tokens=(128, 128, 128, 128), max_tokens=128,
              experts_per_rank=64),
 ]
-# One symmetric buffer per worker process serves every case and world size (changing sizes cleans it).
-MAX_WORLD = 8
 # Most PEs put on one GPU: each holds its own NVSHMEM heap and CUDA context, and their kernels take turns.
 MOST_SHARING = 4
-BUFFER_BYTES = max(low_latency_buffer_bytes(c.max_tokens, c.hidden, MAX_WORLD, c.experts_per_rank * MAX_WORLD)
-                   for c in CASES)
 
 _runtimes: dict[int, LowLatencyRuntime] = {}
 
 
-def _cuda_runtime(rank: int, world: int) -> LowLatencyRuntime:
+def _cuda_runtime(rank: int, world: int, cases: list[Case] = CASES) -> LowLatencyRuntime:
+    """One symmetric buffer per worker process, sized for `cases` at this world size, serves every case of
+    the process (changing sizes cleans it). Sized per world, not for the largest world: ranks sharing a
+    GPU each hold one, and the decode shape alone needs 2.6 GB per rank at 8 ranks."""
     if world not in _runtimes:
-        _runtimes[world] = LowLatencyRuntime(dist.group.WORLD, rank, world, BUFFER_BYTES)
+        num_bytes = max(low_latency_buffer_bytes(c.max_tokens, c.hidden, world, c.experts_per_rank * world)
+                        for c in cases)
+        _runtimes[world] = LowLatencyRuntime(dist.group.WORLD, rank, world, num_bytes)
     return _runtimes[world]
 
 
@@ -207,8 +208,9 @@ def test_low_latency_uses_whole_program_module_on_one_host(gpu_pool) -> None:
 def _compare_cases(rank: int, world: int, cases: list[dict]) -> tuple[str, bool, int]:
     from moe_ep.ops.backends import cuda_low_latency as module
 
+    runtime = _cuda_runtime(rank, world, [Case(**case) for case in cases])
     received = sum(_compare_case(rank, world, case) for case in cases)
-    return module._ext().__name__, _cuda_runtime(rank, world)._runtime.all_peers_mapped, received
+    return module._ext().__name__, runtime._runtime.all_peers_mapped, received
 
 
 @needs_gpu
