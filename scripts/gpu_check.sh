@@ -101,9 +101,12 @@ fi
 # run_bench LABEL TIMEOUT SCRIPT JSON [args...]: one benchmark, its log appended to bench.log. Value
 # checks off, as DeepEP has none.
 run_bench() {
-    local label=$1 limit=$2 script=$3 json=$4 start rc
+    local label=$1 limit=$2 script=$3 json=$4 start rc left
     shift 4
     start=$(date +%s)
+    left=$(( CALL_BUDGET_S - (start - script_start) - 20 ))
+    if (( left < 30 )); then summary+=("bench $label: not run: the call's time is spent"); return; fi
+    (( limit > left )) && limit=$left
     echo "================ $label" >> "$OUT/bench.log"
     MOE_EP_CHECK_VALUES=0 timeout "$limit" $PY "benchmarks/$script" --out "$FILES/$json" "$@" >> "$OUT/bench.log" 2>&1
     rc=$?
