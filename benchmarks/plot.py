@@ -7,7 +7,7 @@ low_latency.png (time against tokens per rank), moe_layer.png (forward + backwar
 slice) and fp8_gemm.png (TFLOP/s per grouped GEMM). The inputs are the JSON files that
 `scripts/gpu_check.sh` and the `benchmarks/bench_*.py` scripts write, renamed by what they hold;
 replace one with a newer run of the same benchmark and run this again. Needs matplotlib
-(`pip install matplotlib`); nothing else here imports it.
+(`pip install matplotlib`, or the `examples` extra), imported only when the script runs.
 """
 
 from __future__ import annotations
