@@ -1,6 +1,6 @@
 // NVLink probe: how fast can SMs move rows between GPUs when all of them do it at once, by pushing
-// (stores into the peer) or pulling (loads from the peer)? Evidence for the intranode designs
-// (docs/perf-notes-intranode.md, variant 14 and session 9). Standalone: no torch, one process driving
+// (stores into the peer) or pulling (loads from the peer)? It measures the NVLink floor that the
+// intranode kernels are judged against (docs/design/intranode.md). Standalone: no torch, one process driving
 // GPUs 0 .. gpus-1 with peer access. Every mode moves `rows` rows of `row_bytes` (default 11,000 x
 // 14,336 B = 158 MB, the remote bytes one rank moves in the 4-rank benchmark) out of every GPU at the
 // same time, warp w of a GPU moving its rows to or from its peer number w % (gpus - 1) (with 4 GPUs: an
