@@ -2,12 +2,12 @@
 
 from __future__ import annotations
 
-import os
 from typing import Iterable, Optional, Sequence, Union
 
 import torch
 
 from .config import NUM_MAX_TOPK
+from .settings import settings
 
 ROW_ALIGNMENT_BYTES = 16
 FP8_BLOCK = 128
@@ -22,7 +22,7 @@ class PeerInputError(ValueError):
 def value_checks_enabled() -> bool:
     """Whether to check tensor values (expert ids in range, no repeats): they read device data, so they
     are skipped while a CUDA graph is being captured and when `MOE_EP_CHECK_VALUES=0`."""
-    if os.environ.get("MOE_EP_CHECK_VALUES", "1") == "0":
+    if not settings().check_values:
         return False
     return not (torch.cuda.is_available() and torch.cuda.is_current_stream_capturing())
 

@@ -20,6 +20,7 @@ import torch.distributed as dist
 
 import moe_ep
 from moe_ep.ops import fp8
+from moe_ep.ops.settings import reload as reload_settings
 from dist_pool import DistPool
 from reference import expert_output, make_inputs, tokens_for
 
@@ -370,8 +371,10 @@ def test_num_worst_tokens_overflow_raises_everywhere(nccl_pool, scenario: str) -
 
 def _absent_peer(rank: int, world: int) -> str:
     os.environ["MOE_EP_TIMEOUT_S"] = "2"
+    reload_settings()
     buffer = moe_ep.Buffer(dist.group.WORLD, 1 << 24, backend="cuda", explicitly_destroy=True)
     del os.environ["MOE_EP_TIMEOUT_S"]
+    reload_settings()
     outcome = "skipped"
     if rank == 0:
         topk_idx = torch.zeros(8, 2, dtype=torch.int64, device="cuda")

@@ -227,11 +227,11 @@ def test_low_latency_relocatable_module_matches_torch(monkeypatch, transport: st
 
 
 def test_transport_setting_is_checked(monkeypatch) -> None:
-    from moe_ep.ops.backends import cuda_low_latency as module
+    from moe_ep.ops.settings import reload as reload_settings
 
     monkeypatch.setenv("MOE_EP_LOW_LATENCY_TRANSPORT", "ibgda")
     with pytest.raises(ValueError, match="MOE_EP_LOW_LATENCY_TRANSPORT"):
-        module._choose_transport(None, 1, torch.device("cpu"))
+        reload_settings()
 
 
 # ------------------------------------------------------------------ operations in flight

@@ -3,7 +3,7 @@
 Every rank allocates one NVLink buffer and shares it through a CUDA IPC handle exchanged with a
 tensor all-gather; after that the kernels synchronize among themselves through that memory. Outputs
 are exactly those of the torch backend (docs/semantics.md). Kernels that wait on a peer give up after
-`MOE_EP_TIMEOUT_S` seconds (default 10): the call raises and the Buffer becomes unusable.
+`MOE_EP_TIMEOUT_S` seconds (default 10, see `moe_ep.ops.settings`): the call raises and the Buffer becomes unusable.
 
 A dispatch with `num_worst_tokens > 0` does not wait on the host: the kernels find a too small
 `num_worst_tokens` themselves, move nothing on any rank, and the `ValueError` comes from the next call
@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import functools
 import importlib.util
-import os
 from typing import Mapping, Optional
 
 import torch
@@ -23,11 +22,10 @@ import torch.distributed as dist
 from ..config import Config
 from ..handles import DispatchHandle, LowLatencyHandle
 from ..routing import NUM_MAX_NVL_PEERS, DispatchLayout
+from ..settings import settings
 from .base import CommBackend, DispatchResult, LowLatencyDispatchResult, RecvHook
 from .collectives import all_gather_bytes
 from .cuda_low_latency import LowLatencyRuntime
-
-_DEFAULT_TIMEOUT_S = 10.0
 
 
 @functools.cache
@@ -101,8 +99,7 @@ class CudaBackend(CommBackend):
         self.low_latency_mode = low_latency_mode
         self.explicitly_destroy = explicitly_destroy
         self.device = torch.device("cuda", torch.cuda.current_device())
-        timeout_s = float(os.environ.get("MOE_EP_TIMEOUT_S", _DEFAULT_TIMEOUT_S))
-        self._runtime = _ext().NvlRuntime(rank, num_ranks, num_nvl_bytes, timeout_s)
+        self._runtime = _ext().NvlRuntime(rank, num_ranks, num_nvl_bytes, settings().timeout_s)
         handles = all_gather_bytes(self._runtime.local_handle(), group, num_ranks, self.device)
         self._runtime.open_peers(handles)
         self._low_latency: Optional[LowLatencyRuntime] = None

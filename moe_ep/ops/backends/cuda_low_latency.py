@@ -23,8 +23,8 @@ Protocol rules the kernels rely on (see csrc/kernels/low_latency.cuh):
 * A combine's send phase waits for its peers' send phase of the same operation (each rank sends the
   top-k ids and weights of its tokens to the ranks that reduce them), which the same sequence on every
   rank provides; its `topk_idx` must route the tokens as the dispatch behind the handle did.
-A kernel that waits more than `MOE_EP_TIMEOUT_S` seconds (default 10) for a peer reports an error;
-the next call raises and the runtime stays unusable.
+A kernel that waits more than `MOE_EP_TIMEOUT_S` seconds (default 10, see `moe_ep.ops.settings`) for a
+peer reports an error; the next call raises and the runtime stays unusable.
 """
 
 from __future__ import annotations
@@ -43,18 +43,17 @@ import torch.distributed as dist
 from .. import fp8
 from ..handles import LowLatencyHandle
 from ..routing import ceil_div
+from ..settings import settings
 from .base import LowLatencyDispatchResult, RecvHook
 from .collectives import all_gather_bytes, broadcast_bytes
 
 _SEND, _RECV = 1, 2
 _MAX_IN_FLIGHT = 2  # operations sent but not yet received: one per half of the buffer
-_DEFAULT_TIMEOUT_S = 10.0
 # Global ranks of the group NVSHMEM joined this process with (NVSHMEM initialises once per process).
 _nvshmem_members: Optional[tuple[int, ...]] = None
 # Transport -> module. "nvshmem_puts": the relocatable module sending to every peer through NVSHMEM puts
 # even where NVSHMEM maps it, so that one node runs the path that peers without P2P take.
 _MODULES = {"nvshmem": "moe_ep._low_latency", "p2p": "moe_ep._low_latency_p2p", "nvshmem_puts": "moe_ep._low_latency"}
-_TRANSPORT_ENV = "MOE_EP_LOW_LATENCY_TRANSPORT"
 # The low-latency module of this process, chosen when NVSHMEM joins it (`_choose_transport`).
 _transport = "nvshmem"
 
@@ -83,11 +82,9 @@ def _choose_transport(group: dist.ProcessGroup, num_ranks: int, device: torch.de
     "p2p" (`moe_ep._low_latency_p2p`: whole-program kernels writing every peer with direct stores) when
     the group is on one host and its GPUs have peer access to each other; "nvshmem" (relocatable kernels,
     NVSHMEM puts for peers without P2P) otherwise. `MOE_EP_LOW_LATENCY_TRANSPORT=p2p|nvshmem|nvshmem_puts`
-    overrides.
+    overrides (`moe_ep.ops.settings`).
     """
-    forced = os.environ.get(_TRANSPORT_ENV, "auto")
-    if forced not in ("auto", *_MODULES):
-        raise ValueError(f"{_TRANSPORT_ENV}: expected auto, p2p, nvshmem or nvshmem_puts, got {forced!r}")
+    forced = settings().low_latency_transport
     host = zlib.crc32(socket.gethostname().encode()).to_bytes(4, "little")
     records = all_gather_bytes(host + device.index.to_bytes(4, "little"), group, num_ranks, device)
     single_host = len({record[:4] for record in records}) == 1
@@ -111,6 +108,8 @@ def _init_nvshmem(group: dist.ProcessGroup, rank: int, num_ranks: int, device: t
         return
     # NVLink SHArP (multicast) stays off: it can take down GPUs shared with others. Without another
     # host in the group no remote transport is needed, which also skips probing for InfiniBand.
+    # NVSHMEM takes both settings from the environment only, read by its init below: this is the one
+    # place the library writes the process environment (setdefault: a user's own choice stands).
     os.environ.setdefault("NVSHMEM_DISABLE_NVLS", "1")
     single_host, _transport = _choose_transport(group, num_ranks, device)
     if single_host:
@@ -149,7 +148,7 @@ class LowLatencyRuntime:
         self.group, self.rank, self.num_ranks = group, rank, num_ranks
         self.device = torch.device("cuda", torch.cuda.current_device())
         if timeout_s is None:
-            timeout_s = float(os.environ.get("MOE_EP_TIMEOUT_S", _DEFAULT_TIMEOUT_S))
+            timeout_s = settings().timeout_s
         _init_nvshmem(group, rank, num_ranks, self.device)
         # NVSHMEM's symmetric allocation is collective with no timeout; a rank that never creates its
         # Buffer must fail the others here, through the process group's timeout, instead.
