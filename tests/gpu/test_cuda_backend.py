@@ -11,7 +11,7 @@ import hashlib
 import importlib.util
 import os
 import sys
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 from typing import Optional
 
 import pytest
@@ -141,17 +141,15 @@ def _round_trip(buffer: moe_ep.Buffer, c: Case, x: object, topk_idx: torch.Tenso
         y = expert_output(recv_x, rank)
         cuda = buffer._cuda
         # The CUDA backend combines through the staging area when it fits, else (or when told) the rings.
-        runs = [("torch", True)]
+        runs = [("torch", "staged")]
         if cuda is not None:
-            runs = [("staged", True), ("rings", False)] if staging_fits else [("rings", True)]
-        for path, staged in runs:
-            if cuda is not None:
-                cuda.staged_combine = staged
-            combined = buffer.combine(y, handle, topk_weights=recv[2], bias=bias, config=config, **extra)
+            runs = [("staged", "staged"), ("rings", "rings")] if staging_fits else [("rings", "staged")]
+        for path, combine_path in runs:
+            combined = buffer.combine(y, handle, topk_weights=recv[2], bias=bias,
+                                      config=replace(config, combine_path=combine_path), **extra)
             combined[-1].current_stream_wait()
             if cuda is not None:
                 assert cuda.last_combine_path() == path, f"combine ran {cuda.last_combine_path()}, not {path}"
-                cuda.staged_combine = None
             out[f"combine_{path}"] = combined[:2]
     torch.cuda.synchronize()
     return out

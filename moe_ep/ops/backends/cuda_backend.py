@@ -68,18 +68,11 @@ def is_sm90_compiled() -> bool:
 class CudaBackend(CommBackend):
     """Normal-mode dispatch/combine with NVLink kernels; low-latency mode over NVSHMEM (delegated).
 
-    Combine returns the rows either through a staging area in each owner's NVLink buffer, which must
-    hold every rank's returned rows (the rows it dispatched x (hidden + top-k weights) bytes, rounded to
-    128; the kernel falls back to the rings when it does not), or through per-channel rings.
-    `staged_combine`: True = staged when it fits, False = rings, None (default) = staged at the world
-    sizes in `STAGED_COMBINE_WORLDS`, where it was measured faster than the rings
-    (docs/perf-notes-intranode.md, sessions 19-20; 5-8 ranks not measured); it must be the same on
-    every rank (otherwise the combine times out). `last_combine_path()` says which ran.
+    The kernels take `Config.pipeline_lag`, and a combine returns the rows through the staging area or
+    the rings as `Config.combine_path` says; `last_combine_path()` tells which ran.
     """
 
     name = "cuda"
-    STAGED_COMBINE_WORLDS: frozenset[int] = frozenset({2, 3, 4})
-    staged_combine: Optional[bool] = None
 
     def __init__(
         self,
@@ -143,7 +136,7 @@ class CudaBackend(CommBackend):
          recv_channel_prefix, recv_src_idx, send_head) = _ext().dispatch(
             self._runtime, x, x_scales, topk_idx, topk_weights, num_tokens_per_rank, is_token_in_rank,
             num_tokens_per_expert, expert_alignment, num_worst_tokens, config.num_sms,
-            config.num_max_nvl_chunked_send_tokens, config.num_max_nvl_chunked_recv_tokens)
+            config.num_max_nvl_chunked_send_tokens, config.num_max_nvl_chunked_recv_tokens, config.pipeline_lag)
         handle = DispatchHandle(rank_prefix, channel_prefix, recv_channel_prefix, recv_src_idx, is_token_in_rank,
                                 send_head)
         return DispatchResult(recv_x, recv_scales, recv_topk_idx, recv_topk_weights, list(per_expert), handle)
@@ -154,7 +147,7 @@ class CudaBackend(CommBackend):
         recv_x, recv_scales = _ext().cached_dispatch(
             self._runtime, x, x_scales, handle.rank_prefix_matrix, handle.channel_prefix_matrix,
             handle.recv_channel_prefix_matrix, handle.is_token_in_rank, handle.recv_src_idx.numel(),
-            config.num_max_nvl_chunked_send_tokens, config.num_max_nvl_chunked_recv_tokens)
+            config.num_max_nvl_chunked_send_tokens, config.num_max_nvl_chunked_recv_tokens, config.pipeline_lag)
         return recv_x, recv_scales
 
     def combine(
@@ -170,7 +163,7 @@ class CudaBackend(CommBackend):
             self._runtime, x, topk_weights, bias_0, bias_1, handle.rank_prefix_matrix, handle.channel_prefix_matrix,
             handle.recv_channel_prefix_matrix, handle.is_token_in_rank, handle.send_head,
             config.num_max_nvl_chunked_send_tokens, config.num_max_nvl_chunked_recv_tokens,
-            self.num_ranks in self.STAGED_COMBINE_WORLDS if self.staged_combine is None else self.staged_combine)
+            config.combines_staged(self.num_ranks), config.pipeline_lag)
         return combined, combined_weights
 
     def last_combine_path(self) -> Optional[str]:
