@@ -20,6 +20,7 @@ import torch.distributed as dist
 
 import moe_ep
 from moe_ep.ops import fp8
+from moe_ep.ops.requests import DispatchRequest
 from moe_ep.ops.settings import reload as reload_settings
 from dist_pool import DistPool
 from reference import expert_output, make_inputs, tokens_for
@@ -292,7 +293,8 @@ def _graph_captured_dispatch(rank: int, world: int) -> None:
     per_rank, _, per_expert, in_rank, _ = cuda_buf.get_dispatch_layout(topk_idx, num_experts)
 
     def dispatch() -> object:
-        return backend.dispatch(x, None, topk_idx, topk_weights, per_rank, in_rank, per_expert, 1, num_worst, config)
+        return backend.dispatch(DispatchRequest(x, None, topk_idx, topk_weights, per_rank, in_rank, per_expert, 1,
+                                                num_worst, config))
 
     eager = dispatch()
     torch.cuda.synchronize()

@@ -19,8 +19,8 @@ from typing import Mapping, Optional
 import torch
 import torch.distributed as dist
 
-from ..config import Config
 from ..handles import DispatchHandle, LowLatencyHandle
+from ..requests import CombineRequest, DispatchRequest, LowLatencyCombineRequest, LowLatencyDispatchRequest
 from ..routing import NUM_MAX_NVL_PEERS, DispatchLayout
 from ..settings import settings
 from .base import CommBackend, DispatchResult, LowLatencyDispatchResult, RecvHook
@@ -119,49 +119,30 @@ class CudaBackend(CommBackend):
         per_rank, per_expert, in_rank = _ext().get_dispatch_layout(topk_idx, num_experts, self.num_ranks)
         return DispatchLayout(per_rank, None, per_expert, in_rank)
 
-    def dispatch(
-        self,
-        x: torch.Tensor,
-        x_scales: Optional[torch.Tensor],
-        topk_idx: Optional[torch.Tensor],
-        topk_weights: Optional[torch.Tensor],
-        num_tokens_per_rank: torch.Tensor,
-        is_token_in_rank: torch.Tensor,
-        num_tokens_per_expert: torch.Tensor,
-        expert_alignment: int,
-        num_worst_tokens: int,
-        config: Config,
-    ) -> DispatchResult:
+    def dispatch(self, request: DispatchRequest) -> DispatchResult:
+        r, config = request, request.config
         (recv_x, recv_scales, recv_topk_idx, recv_topk_weights, per_expert, rank_prefix, channel_prefix,
          recv_channel_prefix, recv_src_idx, send_head) = _ext().dispatch(
-            self._runtime, x, x_scales, topk_idx, topk_weights, num_tokens_per_rank, is_token_in_rank,
-            num_tokens_per_expert, expert_alignment, num_worst_tokens, config.num_sms,
+            self._runtime, r.x, r.x_scales, r.topk_idx, r.topk_weights, r.num_tokens_per_rank, r.is_token_in_rank,
+            r.num_tokens_per_expert, r.expert_alignment, r.num_worst_tokens, config.num_sms,
             config.num_max_nvl_chunked_send_tokens, config.num_max_nvl_chunked_recv_tokens, config.pipeline_lag)
-        handle = DispatchHandle(rank_prefix, channel_prefix, recv_channel_prefix, recv_src_idx, is_token_in_rank,
+        handle = DispatchHandle(rank_prefix, channel_prefix, recv_channel_prefix, recv_src_idx, r.is_token_in_rank,
                                 send_head)
         return DispatchResult(recv_x, recv_scales, recv_topk_idx, recv_topk_weights, list(per_expert), handle)
 
-    def cached_dispatch(
-        self, x: torch.Tensor, x_scales: Optional[torch.Tensor], handle: DispatchHandle, config: Config
-    ) -> tuple[torch.Tensor, Optional[torch.Tensor]]:
+    def cached_dispatch(self, request: DispatchRequest) -> tuple[torch.Tensor, Optional[torch.Tensor]]:
+        handle, config = request.handle, request.config
         recv_x, recv_scales = _ext().cached_dispatch(
-            self._runtime, x, x_scales, handle.rank_prefix_matrix, handle.channel_prefix_matrix,
+            self._runtime, request.x, request.x_scales, handle.rank_prefix_matrix, handle.channel_prefix_matrix,
             handle.recv_channel_prefix_matrix, handle.is_token_in_rank, handle.recv_src_idx.numel(),
             config.num_max_nvl_chunked_send_tokens, config.num_max_nvl_chunked_recv_tokens, config.pipeline_lag)
         return recv_x, recv_scales
 
-    def combine(
-        self,
-        x: torch.Tensor,
-        handle: DispatchHandle,
-        topk_weights: Optional[torch.Tensor],
-        bias_0: Optional[torch.Tensor],
-        bias_1: Optional[torch.Tensor],
-        config: Config,
-    ) -> tuple[torch.Tensor, Optional[torch.Tensor]]:
+    def combine(self, request: CombineRequest) -> tuple[torch.Tensor, Optional[torch.Tensor]]:
+        handle, config = request.handle, request.config
         combined, combined_weights = _ext().combine(
-            self._runtime, x, topk_weights, bias_0, bias_1, handle.rank_prefix_matrix, handle.channel_prefix_matrix,
-            handle.recv_channel_prefix_matrix, handle.is_token_in_rank, handle.send_head,
+            self._runtime, request.x, request.topk_weights, request.bias_0, request.bias_1, handle.rank_prefix_matrix,
+            handle.channel_prefix_matrix, handle.recv_channel_prefix_matrix, handle.is_token_in_rank, handle.send_head,
             config.num_max_nvl_chunked_send_tokens, config.num_max_nvl_chunked_recv_tokens,
             config.combines_staged(self.num_ranks), config.pipeline_lag)
         return combined, combined_weights
@@ -250,11 +231,12 @@ class CudaBackend(CommBackend):
                              "(num_rdma_bytes >= Buffer.get_low_latency_rdma_size_hint(...))")
         return self._low_latency
 
-    def low_latency_dispatch(self, *args, **kwargs) -> tuple[LowLatencyDispatchResult, Optional[RecvHook]]:
-        return self._low_latency_runtime().low_latency_dispatch(*args, **kwargs)
+    def low_latency_dispatch(self, request: LowLatencyDispatchRequest
+                             ) -> tuple[LowLatencyDispatchResult, Optional[RecvHook]]:
+        return self._low_latency_runtime().low_latency_dispatch(request)
 
-    def low_latency_combine(self, *args, **kwargs) -> tuple[torch.Tensor, Optional[RecvHook]]:
-        return self._low_latency_runtime().low_latency_combine(*args, **kwargs)
+    def low_latency_combine(self, request: LowLatencyCombineRequest) -> tuple[torch.Tensor, Optional[RecvHook]]:
+        return self._low_latency_runtime().low_latency_combine(request)
 
     def get_next_low_latency_combine_buffer(self, handle: LowLatencyHandle) -> torch.Tensor:
         return self._low_latency_runtime().get_next_low_latency_combine_buffer(handle)

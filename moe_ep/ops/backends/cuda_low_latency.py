@@ -42,6 +42,7 @@ import torch.distributed as dist
 
 from .. import fp8
 from ..handles import LowLatencyHandle
+from ..requests import LowLatencyCombineRequest, LowLatencyDispatchRequest
 from ..routing import ceil_div
 from ..settings import settings
 from .base import LowLatencyDispatchResult, RecvHook
@@ -189,68 +190,49 @@ class LowLatencyRuntime:
         self._in_flight.append(hook)
         return hook
 
-    def low_latency_dispatch(
-        self,
-        x: torch.Tensor,
-        topk_idx: torch.Tensor,
-        num_max_dispatch_tokens_per_rank: int,
-        num_experts: int,
-        cumulative_local_expert_recv_stats: Optional[torch.Tensor],
-        dispatch_wait_recv_cost_stats: Optional[torch.Tensor],
-        use_fp8: bool,
-        round_scale: bool,
-        use_ue8m0: bool,
-        return_recv_hook: bool,
-    ) -> tuple[LowLatencyDispatchResult, Optional[RecvHook]]:
-        max_tokens, hidden = num_max_dispatch_tokens_per_rank, x.size(1)
-        num_local, slots = num_experts // self.num_ranks, self.num_ranks * num_max_dispatch_tokens_per_rank
-        device = x.device
+    def low_latency_dispatch(self, request: LowLatencyDispatchRequest
+                             ) -> tuple[LowLatencyDispatchResult, Optional[RecvHook]]:
+        r = request
+        max_tokens, hidden, num_experts = r.num_max_dispatch_tokens_per_rank, r.x.size(1), r.num_experts
+        num_local, slots = num_experts // self.num_ranks, self.num_ranks * max_tokens
+        device = r.x.device
         recv_scales = None
-        if use_fp8:
+        if r.use_fp8:
             recv_x = torch.empty(num_local, slots, hidden, dtype=fp8.FP8_DTYPE, device=device)
-            if use_ue8m0:
+            if r.use_ue8m0:
                 groups = ceil_div(hidden, fp8.BLOCK * fp8.UE8M0_PER_INT32)
                 recv_scales = torch.empty(num_local, groups, slots, dtype=torch.int32, device=device).transpose(1, 2)
             else:
                 recv_scales = torch.empty(num_local, hidden // fp8.BLOCK, slots, dtype=torch.float32,
                                           device=device).transpose(1, 2)
         else:
-            recv_x = torch.empty(num_local, slots, hidden, dtype=x.dtype, device=device)
+            recv_x = torch.empty(num_local, slots, hidden, dtype=r.x.dtype, device=device)
         src_info = torch.empty(num_local, slots, dtype=torch.int32, device=device)
         layout_range = torch.empty(num_local, self.num_ranks, dtype=torch.int64, device=device)
         recv_count = torch.empty(num_local, dtype=torch.int32, device=device)
-        mode = (2 if use_ue8m0 else 1) if use_fp8 else 0
+        mode = (2 if r.use_ue8m0 else 1) if r.use_fp8 else 0
 
         def launch(phases: int) -> None:
-            _ext().ll_dispatch(self._runtime, x, topk_idx, recv_x, recv_scales, src_info, layout_range, recv_count,
-                               cumulative_local_expert_recv_stats, dispatch_wait_recv_cost_stats, max_tokens,
-                               num_experts, mode, round_scale, phases)
+            _ext().ll_dispatch(self._runtime, r.x, r.topk_idx, recv_x, recv_scales, src_info, layout_range, recv_count,
+                               r.cumulative_local_expert_recv_stats, r.dispatch_wait_recv_cost_stats, max_tokens,
+                               num_experts, mode, r.round_scale, phases)
 
-        hook = self._run((max_tokens, hidden, num_experts), launch, return_recv_hook)
+        hook = self._run((max_tokens, hidden, num_experts), launch, r.return_recv_hook)
         handle = LowLatencyHandle(src_info, layout_range, max_tokens, hidden, num_experts)
         return LowLatencyDispatchResult(recv_x, recv_scales, recv_count, handle), hook
 
-    def low_latency_combine(
-        self,
-        x: torch.Tensor,
-        topk_idx: torch.Tensor,
-        topk_weights: torch.Tensor,
-        handle: LowLatencyHandle,
-        zero_copy: bool,
-        return_recv_hook: bool,
-        out: Optional[torch.Tensor],
-        combine_wait_recv_cost_stats: Optional[torch.Tensor],
-    ) -> tuple[torch.Tensor, Optional[RecvHook]]:
-        combined = out if out is not None else torch.empty(topk_idx.size(0), handle.hidden, dtype=torch.bfloat16,
-                                                           device=topk_idx.device)
+    def low_latency_combine(self, request: LowLatencyCombineRequest) -> tuple[torch.Tensor, Optional[RecvHook]]:
+        r, handle = request, request.handle
+        combined = r.out if r.out is not None else torch.empty(r.topk_idx.size(0), handle.hidden, dtype=torch.bfloat16,
+                                                               device=r.topk_idx.device)
 
         def launch(phases: int) -> None:
-            _ext().ll_combine(self._runtime, x, zero_copy, handle.src_info, handle.layout_range, topk_idx,
-                              topk_weights, combined, combine_wait_recv_cost_stats,
+            _ext().ll_combine(self._runtime, r.x, r.zero_copy, handle.src_info, handle.layout_range, r.topk_idx,
+                              r.topk_weights, combined, r.combine_wait_recv_cost_stats,
                               handle.num_max_dispatch_tokens_per_rank, handle.hidden, handle.num_experts, phases)
 
         sizes = (handle.num_max_dispatch_tokens_per_rank, handle.hidden, handle.num_experts)
-        return combined, self._run(sizes, launch, return_recv_hook)
+        return combined, self._run(sizes, launch, r.return_recv_hook)
 
     def get_next_low_latency_combine_buffer(self, handle: LowLatencyHandle) -> torch.Tensor:
         """The send region as `[E_local, R*max, H]` bf16; a zero-copy combine sends from it."""
