@@ -11,7 +11,7 @@ added to an FP32 accumulator with its two scales applied (as DeepGEMM does); the
 Rows past the last segment are written as zeros.
 
 Two implementations of the same arithmetic: the TMA + wgmma kernel of `moe_ep._fp8`
-(`csrc/kernels/fp8_gemm.cu`, sm_90a: a producer warp feeding two math warpgroups) where the
+(`csrc/fp8/`, sm_90a: a producer warp feeding two math warpgroups) where the
 extension is built, and the Triton kernel below everywhere else (and in Triton's interpreter on CPU).
 
 Segments are given by their cumulative ends on the device (`ExpertSegments.offsets`), so nothing

@@ -7,8 +7,7 @@ from dataclasses import dataclass
 from typing import Literal, Optional
 
 from ..kernels.grouped import GROUPED_MM_ROW_ALIGNMENT
-from ..ops.config import NUM_MAX_TOPK
-from ..ops.fp8 import BLOCK as FP8_BLOCK
+from ..ops.constants import FP8_BLOCK, NUM_MAX_TOPK
 
 ScoreFunc = Literal["softmax", "sigmoid"]
 DropPolicy = Literal["probs", "position"]

@@ -11,10 +11,10 @@ from . import validation as check
 from .backends import create_backend, cuda_extension_available
 from .backends.base import CommBackend
 from .config import Config, default_combine_config, default_dispatch_config, low_latency_buffer_bytes
+from .constants import NUM_MAX_NVL_PEERS
 from .event import EventOverlap, capture_event
 from .handles import DispatchHandle, LowLatencyHandle
 from .requests import Request
-from .routing import NUM_MAX_NVL_PEERS
 from .streams import CommStreams, StreamScope
 
 topk_idx_t = torch.int64

@@ -4,11 +4,8 @@ from __future__ import annotations
 
 from dataclasses import KW_ONLY, dataclass
 
-NUM_MAX_TOPK = 32
-FP8_BLOCK = 128
-BUFFER_ALIGNMENT = 128
-CHANNELS_PER_SM_PAIR = 2
-"""Channels per pair of SMs, one SM each; `kChannelsPerSmPair` in `csrc/kernels/api.cuh`."""
+from .constants import BUFFER_ALIGNMENT, CHANNELS_PER_SM_PAIR, FP8_BLOCK, NUM_MAX_TOPK
+
 # Per-token metadata carried next to the hidden bytes: source index, top-k ids and weights.
 _TOKEN_META_BYTES = 4 + NUM_MAX_TOPK * (8 + 4)
 
@@ -121,8 +118,8 @@ def default_combine_config(num_ranks: int, num_sms: int) -> Config:
 
 
 def low_latency_buffer_bytes(num_max_dispatch_tokens_per_rank: int, hidden: int, num_ranks: int, num_experts: int) -> int:
-    """Symmetric buffer bytes for low-latency mode (the layout of csrc/kernels/low_latency.cu
-    `make_layout`): a u64 acknowledgement word per rank; two (even/odd) halves, each with a u64 count
+    """Symmetric buffer bytes for low-latency mode (the layout of `make_layout` in csrc/low_latency/):
+    a u64 acknowledgement word per rank; two (even/odd) halves, each with a u64 count
     per (local expert, source rank), a u64 signal and a 2*hidden-byte row per (expert, token) slot, and
     the combine's metadata (a u64 flag and `NUM_MAX_TOPK` 8-byte (id, weight) entries per (source rank,
     token)); then one send region of as many rows as a half (the zero-copy combine buffer), the combine's

@@ -9,13 +9,12 @@ from typing import Iterable, Optional, Sequence, Union
 
 import torch
 
-from .config import NUM_MAX_TOPK, Config
+from .config import Config
+from .constants import FP8_BLOCK, NUM_MAX_TOPK, ROW_ALIGNMENT_BYTES
 from .handles import DispatchHandle, LowLatencyHandle
 from .requests import CombineRequest, DispatchRequest, LowLatencyCombineRequest, LowLatencyDispatchRequest
 from .settings import settings
 
-ROW_ALIGNMENT_BYTES = 16
-FP8_BLOCK = 128
 
 NORMAL_DTYPES = (torch.bfloat16, torch.float16, torch.float32, torch.float64)
 """Token dtypes of a normal-mode dispatch or combine (besides FP8 with scales)."""

@@ -13,7 +13,7 @@ on the Buffer that finds the report, or from `check_errors()`.
 from __future__ import annotations
 
 import functools
-import importlib.util
+import importlib
 from typing import Mapping, Optional
 
 import torch
@@ -21,11 +21,14 @@ import torch.distributed as dist
 
 from ..handles import DispatchHandle, LowLatencyHandle
 from ..requests import CombineRequest, DispatchRequest, LowLatencyCombineRequest, LowLatencyDispatchRequest
-from ..routing import NUM_MAX_NVL_PEERS, DispatchLayout
+from ..constants import NUM_MAX_NVL_PEERS
+from ..routing import DispatchLayout
 from ..settings import settings
+from . import cuda_extension_available
 from .base import CommBackend, DispatchResult, LowLatencyDispatchResult, RecvHook
 from .collectives import all_gather_bytes
 from .cuda_low_latency import LowLatencyRuntime
+from .profile_summary import summarize_profile
 
 
 @functools.cache
@@ -34,35 +37,9 @@ def _ext():
     return importlib.import_module("moe_ep._C")
 
 
-def _ran_and_start(rec: torch.Tensor, col: dict[str, int]) -> tuple[torch.Tensor, Optional[torch.Tensor]]:
-    """Of float64 profile records [C, roles, fields]: which (channel, role) ran, and the earliest start
-    among them (None if none ran)."""
-    ran = rec[..., col["writers"]] > 0
-    return ran, rec[..., col["start"]][ran].min() if bool(ran.any()) else None
-
-
-def channel_placement(records: torch.Tensor, fields: list[str]) -> list[dict]:
-    """Per channel of one kernel's profile records ([C, roles, fields]): the SM its block ran on and
-    when its last role ended (us after the kernel's first role started); channels that did not run
-    are left out. Channels that end late on the same few SMs point at block placement, not protocol."""
-    col = {name: i for i, name in enumerate(fields)}
-    rec = records.to(torch.float64)
-    ran, t0 = _ran_and_start(rec, col)
-    if t0 is None:
-        return []
-    out = []
-    for c in range(rec.shape[0]):
-        if not bool(ran[c].any()):
-            continue
-        roles = rec[c][ran[c]]
-        out.append({"channel": c, "sm": int(roles[0, col["sm"]]),
-                    "end_us": float((roles[:, col["end"]].max() - t0) / 1e3)})
-    return out
-
-
 def is_sm90_compiled() -> bool:
     """Whether `moe_ep._C` holds kernels compiled for Hopper (sm_90)."""
-    return CudaBackend.is_available() and bool(_ext().is_sm90_compiled())
+    return cuda_extension_available() and bool(_ext().is_sm90_compiled())
 
 
 class CudaBackend(CommBackend):
@@ -98,15 +75,6 @@ class CudaBackend(CommBackend):
         self._low_latency: Optional[LowLatencyRuntime] = None
         if low_latency_mode and num_rdma_bytes > 0:
             self._low_latency = LowLatencyRuntime(group, rank, num_ranks, num_rdma_bytes)
-
-    @staticmethod
-    def is_available() -> bool:
-        """Whether the extension is importable and a CUDA device is visible."""
-        return torch.cuda.is_available() and importlib.util.find_spec("moe_ep._C") is not None
-
-    @staticmethod
-    def supports(tensor: torch.Tensor) -> bool:
-        return tensor.is_cuda
 
     def agree(self, op: str, fields: Mapping[str, int], local_error: Optional[Exception], device: torch.device) -> None:
         # No collective on the hot path: a rank that rejects its input raises here, its peers time out.
@@ -163,65 +131,10 @@ class CudaBackend(CommBackend):
             self._low_latency.check_usable()
 
     def profile(self) -> Optional[dict]:
-        """Per-phase timing of this rank's last dispatch and combine kernels, or None unless `moe_ep._C`
-        was built with `MOE_EP_PROFILE=1`. Waits for the device.
-
-        For each kernel: `kernel_us` (first role start to last role end, all channels) and per role
-        (warp or warp group, see csrc/kernels/api.cuh `prof`) the mean and max over channels of:
-        start/first/end (us after the kernel's first role started), span (end - start), the time
-        spent waiting inside the block (wait_stage), on peers (wait_remote), issuing copies (copy),
-        waiting for bulk copies (copy_wait), publishing tails/heads (publish), loading routing
-        metadata (meta), the rest (other), and the counts items / wait_events. Durations of a warp
-        group (the combine reducer) are per warp. `channels`: each channel's SM and end
-        (`channel_placement`). `raw` keeps the records ([C, roles, fields] int64).
-        """
+        """Per-phase timing of this rank's last dispatch and combine kernels (`summarize_profile`), or
+        None unless `moe_ep._C` was built with `MOE_EP_PROFILE=1`. Waits for the device."""
         last_profile = getattr(_ext(), "last_profile", None)
-        if last_profile is None:
-            return None
-        data = last_profile(self._runtime)
-        fields = list(data["fields"])
-        col = {name: i for i, name in enumerate(fields)}
-        durations = ("wait_stage", "wait_remote", "copy", "copy_wait", "publish", "meta")
-        out: dict = {"rank": data["rank"], "host_notify_wait_us": data["host_notify_wait_us"], "fields": fields}
-        for kernel in ("dispatch", "combine"):
-            info = data[kernel]
-            rec = info["records"].to(torch.float64)  # [C, roles, fields]
-            summary: dict = {"num_channels": info["num_channels"], "roles": {}, "raw": info["records"].tolist()}
-            ran, t0 = _ran_and_start(rec, col)
-            if info["num_channels"] == 0 or t0 is None:
-                out[kernel] = summary
-                continue
-            summary["kernel_us"] = float((rec[..., col["end"]][ran].max() - t0) / 1e3)
-            summary["channels"] = channel_placement(info["records"], fields)
-            for r, role in enumerate(info["roles"]):
-                mask = ran[:, r]
-                if not bool(mask.any()):
-                    continue
-                v = rec[mask, r]  # [channels that ran this role, fields]
-                writers = v[:, col["writers"]]
-                row: dict = {"channels": int(mask.sum()), "warps": int(writers.max())}
-                per_channel = {
-                    "start_us": (v[:, col["start"]] - t0) / 1e3,
-                    "first_us": torch.where(v[:, col["first"]] > 0, (v[:, col["first"]] - t0) / 1e3,
-                                            torch.full_like(writers, float("nan"))),
-                    "end_us": (v[:, col["end"]] - t0) / 1e3,
-                    "span_us": (v[:, col["end"]] - v[:, col["start"]]) / 1e3,
-                }
-                busy = torch.zeros_like(writers)
-                for name in durations:
-                    per_warp = v[:, col[name]] / writers / 1e3
-                    per_channel[f"{name}_us"] = per_warp
-                    busy += per_warp
-                per_channel["other_us"] = per_channel["span_us"] - busy
-                per_channel["items"] = v[:, col["items"]]
-                per_channel["wait_events"] = v[:, col["wait_events"]]
-                for name, values in per_channel.items():
-                    finite = values[~values.isnan()]
-                    row[name] = {"mean": float(finite.mean()) if finite.numel() else None,
-                                 "max": float(finite.max()) if finite.numel() else None}
-                summary["roles"][role] = row
-            out[kernel] = summary
-        return out
+        return None if last_profile is None else summarize_profile(last_profile(self._runtime))
 
     # ------------------------------------------------------------------ low-latency mode
 

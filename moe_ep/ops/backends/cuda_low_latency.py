@@ -12,7 +12,7 @@ Differences from the torch backend that the semantics allow: rows of `recv_x` pa
 their `src_info` are left as they were; messages are packed source-major in token order, so the rows,
 `layout_range` and `src_info` of received messages match the torch backend exactly.
 
-Protocol rules the kernels rely on (see csrc/kernels/low_latency.cuh):
+Protocol rules the kernels rely on (see csrc/low_latency/):
 * Receive phases run in the order of their send phases, and at most two operations are in flight
   (sent, not yet received: the buffer has two halves). A hook called out of order first completes the
   older pending receives; an operation that would exceed two in flight, or one without a hook, first
