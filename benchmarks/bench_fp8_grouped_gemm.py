@@ -16,7 +16,7 @@ with FP8 weight gradients (CUDA GEMMs only), and the weight cast alone, with the
 FP8 steps' kernels by GPU time.
 Prints JSON, then a table (and writes the JSON with --out).
 
-    python benchmarks/bench_fp8_grouped_gemm.py --out benchmarks/results/fp8_grouped_gemm.json [--profile]
+    python benchmarks/bench_fp8_grouped_gemm.py --out fp8_grouped_gemm.json [--profile]
 
 About a minute on one H200, most of it compiling the autotuned tiles (two specializations each).
 """
@@ -30,11 +30,11 @@ from typing import Callable, Optional
 import torch
 import triton
 
+from moe_ep.kernels import fp8_grouped_gemm as gemm
+from moe_ep.kernels.fp8_backend import fp8_backend_for
+from moe_ep.kernels.fp8_casts import (cuda_weight_cast_runs, per_block_cast_to_fp8_with_transpose,
+                                      per_column_segments_cast_to_fp8, per_token_cast_back, per_token_cast_to_fp8)
 from moe_ep.layers import GroupedMLP
-from moe_ep.layers import fp8_grouped_gemm as gemm
-from moe_ep.layers.experts import cast_weight_to_fp8
-from moe_ep.layers.fp8_casts import (cuda_weight_cast_runs, per_block_cast_to_fp8_with_transpose,
-                                     per_column_segments_cast_to_fp8, per_token_cast_back, per_token_cast_to_fp8)
 from moe_ep.ops import fp8
 from timing import local_median_us
 
@@ -242,7 +242,8 @@ def bench_experts(num_experts: int, rows: int, profile: bool) -> dict:
         gemm.cuda_kernel_runs = runs_cuda
     mlp.cache_fp8_weights = False
     weights = [p.detach() for p in (mlp.gate_up_proj, mlp.down_proj)]
-    results["fp8_weight_cast_us"] = local_median_us(lambda: [cast_weight_to_fp8(w) for w in weights], iters=10)
+    fp8_casts = fp8_backend_for(weights[0].device)
+    results["fp8_weight_cast_us"] = local_median_us(lambda: [fp8_casts.cast_weight(w) for w in weights], iters=10)
     if profile:
         for use_fp8 in (False, True):
             mlp.use_fp8 = use_fp8

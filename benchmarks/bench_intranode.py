@@ -11,8 +11,8 @@ over Config values picks the defaults per world size.
     python benchmarks/bench_intranode.py --out results.json [--worlds 4] [--quick | --configs 24:16:256,...] [--profile]
 
 --profile (needs moe_ep._C built with MOE_EP_PROFILE=1) prints and stores the per-phase breakdown of one
-dispatch (BF16, FP8) and one combine at the main workload with the best configs, and skips the pipeline-lag
-variants and the token sweep (a profiling build's timings are not the reference numbers).
+dispatch (BF16, FP8) and one combine at the main workload with the best configs, and skips the timings at
+other pipeline lags and the token sweep (a profiling build's timings are not the reference numbers).
 """
 
 from __future__ import annotations
@@ -24,6 +24,7 @@ import json
 import os
 import queue
 import time
+from dataclasses import replace
 
 import torch
 import torch.distributed as dist
@@ -32,6 +33,7 @@ import torch.multiprocessing as mp
 import moe_ep
 from moe_ep.launch import free_port
 from moe_ep.ops import fp8
+from moe_ep.ops.config import COMBINE_PATHS
 from timing import kernel_median_us, median_time_us
 
 NVL_BYTES = 2 << 30
@@ -103,19 +105,15 @@ class Bench:
             out[f"dispatch_{name}_kernel_deepep_gbs"] = self.recv_rows * row / times["dispatch"] / 1e3
             out[f"notify_{name}_kernel_us"] = times["notify"]
         recv_x, _, recv_w, _, handle, _ = self.dispatch(dispatch_config, False)
-        backend = self.buffer._cuda
-        chosen = backend.staged_combine
         # Staged (when it fits), then the rings, then staged again: alternated, so that a drift in the
         # machine shows as a difference between the two staged runs.
-        for key, staged in (("combine_bf16", True), ("combine_bf16_rings", False), ("combine_bf16_again", True)):
-            backend.staged_combine = staged
-            t = kernel_median_us(lambda: self.buffer.combine(recv_x, handle, topk_weights=recv_w,
-                                                             config=combine_config),
+        for key, path in (("combine_bf16", "staged"), ("combine_bf16_rings", "rings"), ("combine_bf16_again", "staged")):
+            config = replace(combine_config, combine_path=path)
+            t = kernel_median_us(lambda: self.buffer.combine(recv_x, handle, topk_weights=recv_w, config=config),
                                  {"combine": "combine_kernel"}, self.iters)["combine"]
             out[f"{key}_kernel_us"] = t
             out[f"{key}_kernel_deepep_gbs"] = self.recv_rows * self.hidden * 2 / t / 1e3
-            out[f"{key}_path"] = backend.last_combine_path()
-        backend.staged_combine = chosen
+            out[f"{key}_path"] = self.buffer._cuda.last_combine_path()
         return out
 
     def measure_layout(self) -> float:
@@ -190,7 +188,10 @@ def _worker(rank: int, world: int, port: int, args: argparse.Namespace, results)
     dist.init_process_group("nccl", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world,
                             timeout=datetime.timedelta(seconds=300), device_id=torch.device("cuda", rank))
     buffer = moe_ep.Buffer(dist.group.WORLD, NVL_BYTES, backend="cuda")
-    buffer._cuda.staged_combine = {"auto": None, "on": True, "off": False}[args.staged_combine]
+
+    def config(num_sms: int, send_chunk: int, ring: int) -> moe_ep.Config:
+        return moe_ep.Config(num_sms, send_chunk, ring, 6, 128, combine_path=args.combine_path)
+
     args.experts = args.experts // world * world  # experts are sharded evenly (255 at world 3)
     report: dict[str, object] = {"world": world, "experts": args.experts}
     main = Bench(buffer, rank, world, args.tokens, args.hidden, args.experts, args.topk, args.warmup, args.iters)
@@ -201,9 +202,8 @@ def _worker(rank: int, world: int, port: int, args: argparse.Namespace, results)
 
     sweep = []
     for num_sms, send_chunk, ring in _sweep_configs(args.quick, args.configs):
-        config = moe_ep.Config(num_sms, send_chunk, ring, 6, 128)
         started = time.time()
-        result = main.measure(config, config)
+        result = main.measure(config(num_sms, send_chunk, ring), config(num_sms, send_chunk, ring))
         sweep.append({"num_sms": num_sms, "send_chunk": send_chunk, "ring_slots": ring, **result})
         if rank == 0:
             print(f"[world {world}] sms={num_sms:2d} chunk={send_chunk:2d} ring={ring:3d}: "
@@ -216,10 +216,8 @@ def _worker(rank: int, world: int, port: int, args: argparse.Namespace, results)
     best_combine = min(eligible, key=lambda s: s["combine_bf16_us"])
     report["best_dispatch"] = best_dispatch
     report["best_combine"] = best_combine
-    dispatch_config = moe_ep.Config(best_dispatch["num_sms"], best_dispatch["send_chunk"], best_dispatch["ring_slots"],
-                                    6, 128)
-    combine_config = moe_ep.Config(best_combine["num_sms"], best_combine["send_chunk"], best_combine["ring_slots"],
-                                   6, 128)
+    dispatch_config = config(best_dispatch["num_sms"], best_dispatch["send_chunk"], best_dispatch["ring_slots"])
+    combine_config = config(best_combine["num_sms"], best_combine["send_chunk"], best_combine["ring_slots"])
 
     if args.profile:
         profile = _profile(main, dispatch_config, combine_config)
@@ -240,14 +238,13 @@ def _worker(rank: int, world: int, port: int, args: argparse.Namespace, results)
     report["kernels"] = main.measure_kernels(dispatch_config, combine_config)
     if rank == 0:
         print(f"[world {world}] kernel times: {report['kernels']}", flush=True)
-    variants = []
+    by_lag = []
     for lag in PIPELINE_LAGS:
-        os.environ["MOE_EP_PIPELINE_LAG"] = str(lag)
-        variants.append({"pipeline_lag": lag, **main.measure(dispatch_config, combine_config)})
+        timed = main.measure(replace(dispatch_config, pipeline_lag=lag), replace(combine_config, pipeline_lag=lag))
+        by_lag.append({"pipeline_lag": lag, **timed})
         if rank == 0:
-            print(f"[world {world}] pipeline lag {lag}: {variants[-1]}", flush=True)
-    os.environ.pop("MOE_EP_PIPELINE_LAG")
-    report["pipeline_lag_variants"] = variants
+            print(f"[world {world}] pipeline lag {lag}: {by_lag[-1]}", flush=True)
+    report["pipeline_lag_variants"] = by_lag
 
     token_sweep = []
     for tokens in args.token_sweep:
@@ -324,9 +321,9 @@ def main() -> None:
     parser.add_argument("--iters", type=int, default=20)
     parser.add_argument("--token-sweep", default="128,512,1024,2048,4096,8192")
     parser.add_argument("--quick", action="store_true", help="two configs instead of the full sweep")
-    parser.add_argument("--staged-combine", choices=("auto", "on", "off"), default="auto",
-                        help="combine path of every timed call but the kernel comparison (which times both): "
-                             "the backend's default, staged when it fits, or the rings")
+    parser.add_argument("--combine-path", choices=COMBINE_PATHS, default="auto",
+                        help="Config.combine_path of every timed call but the kernel comparison (which times both): "
+                             "the default per world size, staged when it fits, or the rings")
     parser.add_argument("--configs", default="",
                         help="NUM_SMS:CHUNK:RING,... measured instead of the sweep (kernels alone at the fastest)")
     parser.add_argument("--timeout", type=float, default=400)

@@ -6,8 +6,8 @@ slots), FP8 dispatch and BF16 combine, with `num_max_dispatch_tokens_per_rank = 
   * kernel times (torch profiler, median over iterations, slowest rank): dispatch and combine with
     both phases, and in hook mode the send and receive kernels of each, all with the iterations queued
     behind a long matmul and started in step on all ranks, as DeepEP's benchmarks time them;
-    `host_paced_*`: dispatch and combine launched as the host gets to them (how sessions 1-7 timed
-    them), where a kernel also holds the wait for the slowest rank's launch;
+    `host_paced_*`: dispatch and combine launched as the host gets to them, not queued behind the
+    matmul, so that a kernel also holds the wait for the slowest rank's launch;
   * dispatch + combine: one captured (dispatch, combine) pair replayed, timed with CUDA events after a
     barrier (`dispatch_combine_pair_us`: median, slowest rank; holds the ranks' host skew) and with the
     replays queued and started in step like the kernels (`dispatch_combine_pair_queued_us`: mean per
@@ -20,7 +20,7 @@ slots), FP8 dispatch and BF16 combine, with `num_max_dispatch_tokens_per_rank = 
     ids and weights per (token, other rank)). `dispatch_remote_gbps` / `combine_remote_gbps` count
     messages (bytes delivered, what DeepEP moves), `combine_remote_rows_gbps` and `hook_*_send_gbps`
     the rows that cross NVLink (`hook_combine_send_messages_gbps`: the combine send counted in messages,
-    comparable with results before session 4);
+    as DeepEP counts it);
   * NCCL all_to_all_single moving the same messages between the same ranks (uint8 rows), timed both
     ways like the pair above (`nccl_*_bytes_us`, `nccl_*_bytes_queued_us`), in the same run;
   * `module`: the low-latency extension that ran (`moe_ep._low_latency_p2p` on one host with P2P,

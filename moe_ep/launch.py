@@ -50,6 +50,8 @@ def _entry(rank: int, world_size: int, port: int, fn: Callable[..., Any], args: 
 
 def launch(fn: Callable[..., Any], world_size: int, *args: Any) -> None:
     """Run `fn(rank, world_size, device, *args)` on every rank (see the module docstring)."""
+    # A launcher reads its job's variables from the environment (torchrun's contract), and sets the
+    # rendezvous address of the workers it spawns (`_entry`); the library itself reads `moe_ep.ops.settings`.
     if "RANK" in os.environ and "WORLD_SIZE" in os.environ:
         rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
         device = init_distributed(rank, world)

@@ -6,7 +6,8 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-import moe_ep.layers.experts as experts_module
+import moe_ep.kernels.grouped as grouped_module
+from moe_ep.kernels.fp8_experts import ReferenceFP8
 from moe_ep.layers import GroupedMLP, SharedExpertMLP
 from moe_ep.ops import fp8
 
@@ -173,7 +174,7 @@ def test_grouped_mm_path_matches_reference(monkeypatch, num_rows: int, host_coun
     module = make_experts()
     upstream = torch.randn(num_rows, HIDDEN, generator=generator(3), dtype=torch.float64)
     want = reference_with_grads(module, tokens(num_rows), upstream, routing_weights(num_rows))
-    monkeypatch.setattr(experts_module, "_uses_grouped_mm", lambda x, seg: x.dtype != torch.float64)
+    monkeypatch.setattr(grouped_module, "_uses_grouped_mm", lambda x, seg: x.dtype != torch.float64)
     got = run_with_grads(clone_experts(module, torch.float32), tokens(num_rows).float(), upstream,
                          routing_weights=routing_weights(num_rows),
                          tokens_per_expert_list=COUNTS if host_counts else None)
@@ -185,7 +186,7 @@ def test_grouped_mm_path_matches_reference(monkeypatch, num_rows: int, host_coun
 @pytest.mark.parametrize("num_rows, host_counts, expected", [
     (sum(COUNTS), True, True), (NUM_ROWS, True, False), (sum(COUNTS), False, False)])
 def test_segments_know_when_no_row_is_ignored(num_rows: int, host_counts: bool, expected: bool) -> None:
-    seg = experts_module.ExpertSegments(counts_tensor(), num_rows,
+    seg = grouped_module.ExpertSegments(counts_tensor(), num_rows,
                                         tokens_per_expert_list=COUNTS if host_counts else None)
     assert seg.all_rows_valid is expected
     rows = tokens(num_rows)
@@ -198,7 +199,7 @@ def test_grouped_mm_path_fp8_matches_loop_path(monkeypatch) -> None:
     module = make_experts(torch.bfloat16, use_fp8=True)
     upstream = torch.randn(NUM_ROWS, HIDDEN, generator=generator(3), dtype=torch.float64)
     want = run_with_grads(module, tokens().bfloat16(), upstream)
-    monkeypatch.setattr(experts_module, "_uses_grouped_mm", lambda x, seg: x.dtype != torch.float64)
+    monkeypatch.setattr(grouped_module, "_uses_grouped_mm", lambda x, seg: x.dtype != torch.float64)
     got = run_with_grads(clone_experts(module, torch.bfloat16, use_fp8=True), tokens().bfloat16(), upstream)
     for name, g, w in zip(("out", "dx", "dgate_up", "ddown"), got, want):
         assert torch.isfinite(g).all(), name
@@ -315,8 +316,8 @@ def test_fp8_grouped_weight_grad_formula() -> None:
     counts = [5, 0, 11, 7]
     grad = torch.randn(NUM_ROWS, 2 * INTER, generator=generator(5)).bfloat16()
     x = fp8.per_token_cast_to_fp8(tokens(junk=0.0).bfloat16())
-    seg = experts_module.ExpertSegments(counts_tensor(counts), NUM_ROWS)
-    got = experts_module.fp8_grouped_weight_grad(grad, x, seg)
+    seg = grouped_module.ExpertSegments(counts_tensor(counts), NUM_ROWS)
+    got = ReferenceFP8().weight_grad(grad, x, seg)
     starts, lengths = torch.tensor([0, 5, 5, 16]), torch.tensor(counts)
     g_t = fp8.per_token_cast_back(*fp8.per_column_segments_cast_to_fp8(grad, starts, lengths, block_scales=False),
                                   torch.float64)
@@ -440,8 +441,8 @@ def test_fp8_packed_layout_with_garbage_rows() -> None:
 
 def test_fp8_weight_cache_follows_in_place_updates(monkeypatch) -> None:
     casts = []
-    original_cast = experts_module.per_block_cast_to_fp8
-    monkeypatch.setattr(experts_module, "per_block_cast_to_fp8", lambda w: casts.append(w) or original_cast(w))
+    original_cast = ReferenceFP8.cast_weight
+    monkeypatch.setattr(ReferenceFP8, "cast_weight", lambda self, w: casts.append(w) or original_cast(self, w))
     x = tokens(junk=0.0).bfloat16()
     uncached = make_experts(torch.bfloat16, use_fp8=True)
     uncached(x, counts_tensor())

@@ -11,7 +11,7 @@ import torch
 from moe_ep.ops import fp8
 from triton_kernels import DEVICE, import_kernels, interpret_without_cuda
 
-casts = import_kernels("moe_ep.layers.fp8_casts")
+casts = import_kernels("moe_ep.kernels.fp8_casts")
 
 
 @pytest.fixture(autouse=True)

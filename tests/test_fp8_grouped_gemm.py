@@ -10,12 +10,14 @@ import pytest
 import torch
 
 import moe_ep.layers.experts as experts_module
+from moe_ep.kernels.fp8_experts import ReferenceFP8, TritonFP8
+from moe_ep.kernels.loaders import fp8_extension
 from moe_ep.layers import GroupedMLP
 from moe_ep.ops import fp8
 from triton_kernels import DEVICE, import_kernels, interpret_without_cuda
 
-gemm = import_kernels("moe_ep.layers.fp8_grouped_gemm")
-casts = import_kernels("moe_ep.layers.fp8_casts")
+gemm = import_kernels("moe_ep.kernels.fp8_grouped_gemm")
+casts = import_kernels("moe_ep.kernels.fp8_casts")
 triton = pytest.importorskip("triton")
 
 E, K, M = 4, 256, 256
@@ -34,7 +36,7 @@ def _interpret(monkeypatch) -> None:
 @pytest.fixture(params=["triton", "cuda"])
 def backend(request) -> str:
     """Each implementation of `fp8_grouped_mm`; the CUDA one needs an sm_90a build on an sm_90 GPU."""
-    if request.param == "cuda" and (DEVICE != "cuda" or gemm.fp8_cuda.fp8_extension() is None
+    if request.param == "cuda" and (DEVICE != "cuda" or fp8_extension() is None
                                     or torch.cuda.get_device_capability() != (9, 0)):
         pytest.skip("the moe_ep._fp8 FP8 GEMM runs on sm_90 GPUs with an sm_90a build only")
     return request.param
@@ -174,8 +176,8 @@ def test_grouped_mlp_fp8_path_through_the_triton_kernels(monkeypatch) -> None:
     counts = torch.tensor(COUNTS, device=DEVICE)
 
     def run(triton_on: bool) -> list[torch.Tensor]:
-        monkeypatch.setattr(experts_module, "_triton_fp8_available", lambda device: triton_on)
-        monkeypatch.setattr(experts_module, "_triton_fp8", lambda: experts_module._TritonFP8(casts, gemm))
+        fp8 = TritonFP8(casts, gemm, depth_gemm=False) if triton_on else ReferenceFP8()
+        monkeypatch.setattr(experts_module, "fp8_backend_for", lambda device: fp8)
         module.zero_grad()
         rows = x.clone().requires_grad_()
         out = module(rows, counts)
@@ -193,8 +195,8 @@ def test_grouped_mlp_fp8_path_through_the_triton_kernels(monkeypatch) -> None:
 def test_grouped_mlp_recasts_once_weight_caching_is_off(monkeypatch) -> None:
     """Turning `cache_fp8_weights` off (as benchmarks do between runs) stops reusing earlier casts."""
     casts_made = []
-    original = experts_module.cast_weight_to_fp8
-    monkeypatch.setattr(experts_module, "cast_weight_to_fp8", lambda w: casts_made.append(w) or original(w))
+    original = ReferenceFP8.cast_weight
+    monkeypatch.setattr(ReferenceFP8, "cast_weight", lambda self, w: casts_made.append(w) or original(self, w))
     module = GroupedMLP(E, 256, 128, use_fp8=True, cache_fp8_weights=True, dtype=torch.bfloat16)
     module._fp8_weights()
     module._fp8_weights()

@@ -22,7 +22,7 @@ from moe_ep.layers import dispatcher
 from moe_ep.ops.routing import ExpertLayout, expert_major_layout
 from triton_kernels import DEVICE, import_kernels, interpret_without_cuda
 
-kernels = import_kernels("moe_ep.layers.permute_kernels")
+kernels = import_kernels("moe_ep.kernels.permute_kernels")
 
 NUM_ROWS, NUM_LOCAL, ALIGNMENT = 37, 12, 4
 EMPTY_ROWS = [0, 5]  # received rows with no local expert

@@ -6,16 +6,15 @@ import math
 from dataclasses import dataclass
 from typing import Literal, Optional
 
-from ..ops.config import NUM_MAX_TOPK
-from ..ops.fp8 import BLOCK as FP8_BLOCK
+from ..kernels.grouped import GROUPED_MM_ROW_ALIGNMENT
+from ..ops.constants import FP8_BLOCK, NUM_MAX_TOPK
 
 ScoreFunc = Literal["softmax", "sigmoid"]
 DropPolicy = Literal["probs", "position"]
 DispatchMode = Literal["normal", "low_latency"]
 
 FP8_EXPERT_ALIGNMENT = 16
-# BF16 grouped GEMMs on CUDA need 16-byte aligned expert segments (their weight gradients contract over them).
-BF16_EXPERT_ALIGNMENT = 8
+BF16_EXPERT_ALIGNMENT = GROUPED_MM_ROW_ALIGNMENT
 
 
 def _require(ok: bool, field: str, expected: str, got: object) -> None:

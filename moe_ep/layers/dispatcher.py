@@ -10,12 +10,11 @@ returns the sums. Low-latency mode: `ops.low_latency_dispatch` already delivers 
 Routing weights are applied exactly once, at combine (the un-permute here, inside the low-latency
 combine in that mode), in float32: experts run unweighted (`GroupedMLP(routing_weights=None)`).
 On CUDA with Triton, the un-permute and the backward passes of both permutations are fused Triton
-kernels (`permute_kernels`), with the torch code's arithmetic; elsewhere that torch code runs.
+kernels (`moe_ep.kernels.permute_kernels`), with the torch code's arithmetic; elsewhere that torch code runs.
 """
 
 from __future__ import annotations
 
-from functools import cache
 from types import ModuleType
 from typing import Any, NamedTuple, Optional, Union
 
@@ -23,6 +22,7 @@ import torch
 
 from .. import ops
 from ..ops import Buffer, DispatchHandle, LowLatencyHandle
+from ..kernels.loaders import triton_kernels
 from ..ops.routing import ExpertLayout, expert_major_layout, static_layout_rows
 from .config import MoEConfig
 
@@ -72,23 +72,13 @@ def _unpermute_backward_torch(grad: torch.Tensor, y: torch.Tensor, src_row: torc
     return grad_y, dots
 
 
-@cache
-def _permute_kernels() -> Optional[ModuleType]:
-    """`permute_kernels`, imported on first use (Triton is optional and slow to import), or None."""
-    try:
-        from . import permute_kernels
-    except ImportError:
-        return None
-    return permute_kernels
-
-
 def _triton_kernels(*tensors: torch.Tensor) -> Optional[ModuleType]:
     """The Triton un-permute kernels where they run on `tensors` (CUDA sm_80+; bfloat16, float16 or
     float32), else None: the torch code then runs (CPU, float64, no Triton)."""
     device = tensors[0].device
     if device.type != "cuda" or any(t.dtype not in _TRITON_DTYPES for t in tensors):
         return None
-    return _permute_kernels() if torch.cuda.get_device_capability(device) >= (8, 0) else None
+    return triton_kernels("permute_kernels") if torch.cuda.get_device_capability(device) >= (8, 0) else None
 
 
 def _sum_selections(y: torch.Tensor, dest_row: torch.Tensor, weights: Optional[torch.Tensor]) -> torch.Tensor:

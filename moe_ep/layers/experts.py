@@ -10,309 +10,30 @@ weights with one scale per 128x128 block (quantized from the parameters on every
 FP32 accumulation, BF16 outputs; the SwiGLU output is re-quantized for the down projection.
 Backward is the gradient of the computed function with the FP8 casts treated as identity
 (straight-through), so weight gradients use the dequantized activations the forward actually saw,
-and input gradients the dequantized weights. It runs in BF16, except on CUDA with Triton (sm_90+),
-where both FP8 GEMMs and the input-gradient GEMMs run as blockwise-scaled FP8 grouped GEMMs
-(`fp8_grouped_gemm`: the TMA + wgmma kernel of `moe_ep._fp8` where it is built, else Triton): the output gradients are then cast to e4m3 (1x128) for the input-gradient
-GEMMs, one more rounding of the same straight-through gradient. Weight gradients stay BF16. There
-the casts are fused Triton kernels (`fp8_casts`, bit for bit those of `moe_ep.ops.fp8`), the weight
-cast also writes each weight transposed, which the input-gradient GEMM reads, and the SwiGLU and its
-gradient are computed in float32 in the passes that cast their outputs to FP8.
+and input gradients the dequantized weights. Weight gradients are BF16 GEMMs. The arithmetic is the
+FP8 implementation of the tokens' device (`moe_ep.kernels.fp8_backend`): the reference in PyTorch,
+or, on sm_90+ GPUs, fused casts and grouped FP8 GEMMs, where the input-gradient GEMMs are FP8 too
+(the output gradients cast to e4m3, one more rounding of the same straight-through gradient).
 
-With `fp8_weight_grads`, the weight gradients are FP8 GEMMs too (`fp8_grouped_weight_grad`): both
+With `fp8_weight_grads`, the weight gradients are FP8 GEMMs too (`ReferenceFP8.weight_grad`): both
 operands are cast along the tokens, each expert's tokens padded to 128, the output gradient with one
 scale per channel per 128 tokens and the activation with one per 128x128 block. Off by default: on an
-H200 at DeepSeek-V3 shapes it is slower than the BF16 weight gradients (session 18,
-`docs/perf-notes-fp8-gemm.md`).
+H200 at DeepSeek-V3 shapes it is slower than the BF16 weight gradients.
 """
 
 from __future__ import annotations
 
 import math
-from functools import cache, cached_property
-from types import ModuleType
-from typing import NamedTuple, Optional, Sequence, Union
+from typing import Optional, Sequence, Union
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
-from ..ops.fp8 import (BLOCK, FP8_DTYPE, padded_segment_ends, per_block_cast_back, per_block_cast_to_fp8,
-                       per_column_segments_cast_to_fp8, per_token_cast_back, per_token_cast_to_fp8, unpack_ue8m0)
+from ..kernels.fp8_backend import fp8_backend_for
+from ..kernels.fp8_experts import FP8Tokens, FP8Weight, ReferenceFP8
+from ..kernels.grouped import ExpertSegments, grouped_linear, grouped_weight_grad, swiglu
+from ..ops.fp8 import BLOCK, FP8_DTYPE, per_token_cast_back, unpack_ue8m0
 from ..ops.validation import check_tensor
-
-FP8Tokens = tuple[torch.Tensor, torch.Tensor]
-"""`(q float8_e4m3fn [..., H], scales)`: `per_token_cast_to_fp8` output (float32 or UE8M0 scales)."""
-
-
-class FP8Weight(NamedTuple):
-    """Expert weights `[E, M, K]` cast to e4m3 with float32 128x128 block `scales [E, M/128, K/128]`.
-
-    `q_t` is `q` transposed (`[E, K, M]`, contiguous) where the weights were cast for the Triton
-    GEMMs, whose input-gradient GEMM reads it; None elsewhere.
-    """
-
-    q: torch.Tensor
-    scales: torch.Tensor
-    q_t: Optional[torch.Tensor] = None
-
-
-_GROUPED_MM = getattr(F, "grouped_mm", None) or getattr(torch, "_grouped_mm", None)
-# cuBLAS blockwise FP8 GEMMs want the rows of A in multiples of this.
-_SCALED_MM_ROW_MULTIPLE = 4
-GROUPED_MM_ROW_ALIGNMENT = 8
-"""Rows per expert segment (a multiple of) that the BF16 grouped GEMMs need on CUDA."""
-
-
-def swiglu(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
-    return F.silu(gate) * up
-
-
-class ExpertSegments:
-    """Which rows of a flattened expert-major `[N, ...]` tensor belong to which local expert."""
-
-    def __init__(self, tokens_per_expert: torch.Tensor, num_rows: int, rows_per_expert: Optional[int] = None,
-                 tokens_per_expert_list: Optional[Sequence[int]] = None, alignment: int = 1) -> None:
-        """Contiguous segments of `tokens_per_expert` rows (each a multiple of `alignment`), or
-        (`rows_per_expert` given) fixed segments of that many rows whose first `tokens_per_expert[e]`
-        rows are valid."""
-        device = tokens_per_expert.device
-        self.packed = rows_per_expert is not None
-        self.alignment = alignment if rows_per_expert is None else rows_per_expert
-        if rows_per_expert is None:
-            self.offsets = tokens_per_expert.cumsum(0).to(torch.int32)
-        else:
-            num_experts = tokens_per_expert.numel()
-            self.offsets = ((torch.arange(num_experts, device=device) + 1) * rows_per_expert).to(torch.int32)
-            tokens_per_expert_list = [rows_per_expert] * num_experts
-        self.num_rows = num_rows
-        self._rows_per_expert = rows_per_expert
-        self._tokens_per_expert = tokens_per_expert
-        self._host_counts = tokens_per_expert_list
-
-    @cached_property
-    def valid(self) -> torch.Tensor:
-        """`[N]` bool device mask of the rows that belong to an expert (built on first use only)."""
-        rows = torch.arange(self.num_rows, device=self.offsets.device)
-        if self._rows_per_expert is None:
-            return rows < self.offsets[-1]
-        return rows % self._rows_per_expert < self._tokens_per_expert.repeat_interleave(self._rows_per_expert)
-
-    @cached_property
-    def bounds(self) -> list[int]:
-        """Host row bounds `[0, end_0, ..., end_{E-1}]` (a device sync unless counts were given)."""
-        counts = self._host_counts if self._host_counts is not None else self._tokens_per_expert.tolist()
-        bounds = [0]
-        for count in counts:
-            bounds.append(bounds[-1] + int(count))
-        if bounds[-1] > self.num_rows:
-            raise ValueError(f"tokens_per_expert: the experts hold {bounds[-1]} rows but x has {self.num_rows}")
-        return bounds
-
-    def starts_and_counts(self) -> tuple[torch.Tensor, torch.Tensor]:
-        """Device `[E]` int32 first rows and row counts of the experts' (valid) rows."""
-        counts = self._tokens_per_expert.to(torch.int32)
-        segment_rows = self._rows_per_expert if self.packed else counts
-        return self.offsets - segment_rows, counts
-
-    def ranges(self) -> list[tuple[int, int, int]]:
-        """`(expert, begin, end)` of every expert's rows."""
-        return [(e, b, end) for e, (b, end) in enumerate(zip(self.bounds[:-1], self.bounds[1:]))]
-
-    @cached_property
-    def all_rows_valid(self) -> bool:
-        """Whether no row is ignored: contiguous segments covering every row, known from host counts."""
-        return not self.packed and self._host_counts is not None and self.bounds[-1] == self.num_rows
-
-    def mask(self, rows: torch.Tensor) -> torch.Tensor:
-        """`rows` with the ignored rows set to 0 (a select, so NaN garbage there cannot leak)."""
-        if self.all_rows_valid:
-            return rows
-        return torch.where(self.valid[:, None], rows, torch.zeros((), dtype=rows.dtype, device=rows.device))
-
-    def mask_packed(self, rows: torch.Tensor) -> torch.Tensor:
-        """`mask(rows)` in the packed layout, whose ignored rows lie inside the segments; `rows` as
-        they are in the contiguous layout, for FP8 GEMM outputs (zeros past the last segment) and
-        for operands that are only contracted over the segments."""
-        return self.mask(rows) if self.packed else rows
-
-
-def _uses_grouped_mm(x: torch.Tensor, seg: ExpertSegments) -> bool:
-    # The weight-gradient GEMM contracts over each segment: CUDA needs 16-byte aligned groups there
-    # (8 BF16 rows) and asserts on the device otherwise, so unaligned segments take the loop.
-    return (_GROUPED_MM is not None and x.is_cuda and x.dtype == torch.bfloat16
-            and seg.alignment % GROUPED_MM_ROW_ALIGNMENT == 0)
-
-
-def grouped_linear(x: torch.Tensor, weight: torch.Tensor, seg: ExpertSegments) -> torch.Tensor:
-    """`x[rows of e] @ weight[e].T` for every expert: `[N, K] x [E, M, K] -> [N, M]`.
-
-    Rows outside every segment are unspecified (callers mask them). One device-offset grouped
-    GEMM on CUDA BF16; elsewhere an exact loop over experts. Every expert's weight joins the
-    autograd graph, even without rows, so its gradient is 0 rather than missing.
-    """
-    if _uses_grouped_mm(x, seg):
-        return _GROUPED_MM(x, weight.transpose(-2, -1), offs=seg.offsets)
-    parts = [x[begin:end] @ weight[e].t() for e, begin, end in seg.ranges()]
-    return torch.cat(parts + [x.new_zeros(x.size(0) - seg.bounds[-1], weight.size(-2))])
-
-
-def grouped_weight_grad(grad: torch.Tensor, x: torch.Tensor, seg: ExpertSegments) -> torch.Tensor:
-    """`grad[rows of e].T @ x[rows of e]` for every expert: `[N, M], [N, K] -> [E, M, K]`."""
-    if _uses_grouped_mm(x, seg):
-        return _GROUPED_MM(grad.t(), x, offs=seg.offsets)
-    out = x.new_zeros(seg.offsets.numel(), grad.size(1), x.size(1))
-    for e, begin, end in seg.ranges():
-        out[e] = grad[begin:end].t() @ x[begin:end]
-    return out
-
-
-def fp8_grouped_weight_grad(grad: torch.Tensor, x: FP8Tokens, seg: ExpertSegments) -> torch.Tensor:
-    """`grad[rows of e].T @ dequant(x)[rows of e]` in FP8: `[N, M], [N, K] -> [E, M, K]` BF16.
-
-    Both operands are cast along the tokens, every expert's tokens padded with zeros to a multiple of
-    128 (`per_column_segments_cast_to_fp8`): `grad` with one scale per channel per 128 tokens, `x`
-    (dequantized from its 1x128 cast) with one per 128x128 block, so that the GEMM applies one scale
-    per output row per K block, as the forward does. The product is the depth-grouped FP8 GEMM of
-    `moe_ep._fp8` where it runs, with the casts in Triton; elsewhere the reference: the same
-    products of the dequantized casts, accumulated in FP32.
-    """
-    starts, counts = seg.starts_and_counts()
-    padded_ends = padded_segment_ends(counts)
-    if _triton_fp8_available(grad.device) and _triton_fp8().gemm.fp8_cuda.runs_on(grad):
-        casts, gemm = _triton_fp8()
-        grad_t = casts.per_column_segments_cast_to_fp8(grad, None, starts, counts, padded_ends, block_scales=False)
-        x_t = casts.per_column_segments_cast_to_fp8(*x, starts, counts, padded_ends, block_scales=True)
-        return gemm.fp8_depth_grouped_mm(*grad_t, *x_t, padded_ends)
-    grad_t = per_token_cast_back(*per_column_segments_cast_to_fp8(grad, starts, counts, block_scales=False),
-                                 dtype=torch.float32)
-    x_t = per_block_cast_back(*per_column_segments_cast_to_fp8(per_token_cast_back(*x, dtype=torch.float32), starts,
-                                                               counts, block_scales=True), dtype=torch.float32)
-    ends = [0] + padded_ends.tolist()
-    return torch.stack([grad_t[:, b:e] @ x_t[:, b:e].t() for b, e in zip(ends[:-1], ends[1:])]).to(torch.bfloat16)
-
-
-class _TritonFP8(NamedTuple):
-    casts: ModuleType
-    gemm: ModuleType
-
-
-@cache
-def _triton_fp8() -> Optional[_TritonFP8]:
-    """The Triton FP8 casts and grouped GEMM, imported on first use (Triton is optional and slow to
-    import), or None."""
-    try:
-        from . import fp8_casts, fp8_grouped_gemm
-    except ImportError:
-        return None
-    return _TritonFP8(fp8_casts, fp8_grouped_gemm)
-
-
-def _triton_fp8_available(device: torch.device) -> bool:
-    """The Triton blockwise FP8 kernels need FP8 tensor cores (sm_90+) and Triton."""
-    return (device.type == "cuda" and torch.cuda.get_device_capability(device) >= (9, 0)
-            and _triton_fp8() is not None)
-
-
-def cast_rows_to_fp8(x: torch.Tensor) -> FP8Tokens:
-    """`per_token_cast_to_fp8(x)` (1x128, float32 scales): one fused Triton pass where the Triton
-    FP8 kernels run, else the reference."""
-    if _triton_fp8_available(x.device):
-        return _triton_fp8().casts.per_token_cast_to_fp8(x)
-    return per_token_cast_to_fp8(x)
-
-
-def swiglu_to_fp8(z: torch.Tensor) -> FP8Tokens:
-    """`per_token_cast_to_fp8(swiglu(gate, up))` of BF16 `z = [gate, up]`: one fused Triton pass (the
-    SwiGLU in float32) where the Triton FP8 kernels run, else the reference in BF16."""
-    if _triton_fp8_available(z.device):
-        return _triton_fp8().casts.swiglu_to_fp8(z)
-    return per_token_cast_to_fp8(swiglu(*z.chunk(2, dim=-1)))
-
-
-def swiglu_backward(z: torch.Tensor, grad: torch.Tensor) -> tuple[torch.Tensor, Optional[FP8Tokens]]:
-    """The gradient of `swiglu(gate, up)` with respect to BF16 `z = [gate, up]` given `grad`, and
-    where the Triton FP8 kernels run its 1x128 e4m3 cast from the same fused pass (else None)."""
-    if _triton_fp8_available(z.device):
-        return _triton_fp8().casts.swiglu_backward_to_fp8(z, grad)
-    with torch.enable_grad():
-        z_leaf = z.detach().requires_grad_()
-        (grad_z,) = torch.autograd.grad(swiglu(*z_leaf.chunk(2, dim=-1)), z_leaf, grad)
-    return grad_z, None
-
-
-def rows_from_fp8(q: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
-    """`per_token_cast_back(q, scales)` in BF16 (float32 scales): one Triton pass where the Triton
-    FP8 kernels run, else the reference."""
-    if _triton_fp8_available(q.device):
-        return _triton_fp8().casts.per_token_cast_back(q, scales)
-    return per_token_cast_back(q, scales, torch.bfloat16)
-
-
-def cast_weight_to_fp8(weight: torch.Tensor) -> FP8Weight:
-    """`per_block_cast_to_fp8(weight)` (128x128), with the transposed copy where the Triton FP8
-    kernels run (one fused pass)."""
-    if _triton_fp8_available(weight.device):
-        return FP8Weight(*_triton_fp8().casts.per_block_cast_to_fp8_with_transpose(weight))
-    return FP8Weight(*per_block_cast_to_fp8(weight))
-
-
-def _blockwise_fp8_gemm_available(device: torch.device) -> bool:
-    """Blockwise (1x128 / 128x128) `F.scaled_mm` exists on sm_90 only (see `shared/ANCHORS.md`)."""
-    return device.type == "cuda" and hasattr(F, "scaled_mm") and torch.cuda.get_device_capability(device) == (9, 0)
-
-
-def fp8_grouped_linear(x: FP8Tokens, weight: FP8Weight, seg: ExpertSegments) -> torch.Tensor:
-    """Blockwise-scaled `x[rows of e] @ weight[e].T` in FP32, rounded to BF16.
-
-    `x` is `(q [N, K], scales [N, K/128] float32)`, `weight` `[E, M, K]` blockwise e4m3.
-    Rows past the last segment are zeros. On CUDA sm_90+ this is one grouped FP8 GEMM with device
-    offsets (`fp8_grouped_gemm`: the `moe_ep._fp8` kernel, or Triton); on sm_90 without Triton, one
-    cuBLAS FP8 GEMM per expert (host-side bounds); elsewhere the reference: the same products of
-    dequantized values, accumulated in FP32.
-    """
-    if _triton_fp8_available(x[0].device):
-        return _triton_fp8().gemm.fp8_grouped_mm(*x, weight.q, weight.scales, seg.offsets)
-    if _blockwise_fp8_gemm_available(x[0].device):
-        return _scaled_mm_per_expert(x, weight, seg)
-    dense_x = per_token_cast_back(*x, dtype=torch.float32)
-    dense_w = per_block_cast_back(weight.q, weight.scales, dtype=torch.float32)
-    return seg.mask(grouped_linear(dense_x, dense_w, seg)).to(torch.bfloat16)
-
-
-def _scaled_mm_per_expert(x: FP8Tokens, weight: FP8Weight, seg: ExpertSegments) -> torch.Tensor:
-    (q, scales), (w_q, w_scales) = x, weight[:2]
-    # cuBLAS also wants the weight scales' K-block count padded to a multiple of 4.
-    w_scales = F.pad(w_scales, (0, -w_scales.size(-1) % 4))
-    out = q.new_zeros(q.size(0), w_q.size(-2), dtype=torch.bfloat16)
-    for e, begin, end in seg.ranges():
-        if end == begin:
-            continue
-        if (end - begin) % _SCALED_MM_ROW_MULTIPLE:
-            raise ValueError(f"tokens_per_expert: FP8 GEMMs on GPU need every expert's rows in multiples of "
-                             f"{_SCALED_MM_ROW_MULTIPLE} (set expert_alignment); expert {e} has {end - begin}")
-        out[begin:end] = F.scaled_mm(
-            q[begin:end], w_q[e].t(),
-            scales[begin:end].t().contiguous().t(), F.ScalingType.BlockWise1x128,
-            w_scales[e].t(), F.ScalingType.BlockWise128x128,
-            output_dtype=torch.bfloat16,
-        )
-    return out
-
-
-def fp8_grouped_input_grad(grad: torch.Tensor, weight: FP8Weight, seg: ExpertSegments,
-                           grad_8: Optional[FP8Tokens] = None) -> torch.Tensor:
-    """`grad[rows of e] @ dequant(weight[e])`: the input gradient of `fp8_grouped_linear`, `[N, M] -> [N, K]`.
-
-    With the transposed weight (`weight.q_t`, cast for the Triton kernels), `grad` is cast to e4m3
-    (1x128 along M; `grad_8` if that cast was already made) and the product runs as the forward's
-    FP8 grouped GEMM against `W[e]^T`, whose 128x128 block scales are `W[e]`'s transposed; elsewhere
-    in BF16 on the dequantized weight. Rows past the last segment are zeros.
-    """
-    if weight.q_t is not None:
-        rows = grad_8 if grad_8 is not None else cast_rows_to_fp8(grad)
-        return _triton_fp8().gemm.fp8_grouped_mm(*rows, weight.q_t, weight.scales.transpose(-2, -1), seg.offsets)
-    dense_weight = per_block_cast_back(weight.q, weight.scales, grad.dtype).transpose(-2, -1)
-    return seg.mask(grouped_linear(grad, dense_weight, seg))
 
 
 class _FP8SwiGLU(torch.autograd.Function):
@@ -324,13 +45,14 @@ class _FP8SwiGLU(torch.autograd.Function):
                 seg: ExpertSegments, fp8_weight_grads: bool) -> torch.Tensor:
         """`weights_8` are the FP8 casts of the two weights, which only receive the gradients."""
         gate_up_8, down_8 = weights_8
+        fp8 = fp8_backend_for(q.device)
         # Contiguous segments need no masks here: the GEMMs write zeros past the last segment and
         # contract over the segments only.
-        z = seg.mask_packed(fp8_grouped_linear((q, scales), gate_up_8, seg))
-        h_8 = swiglu_to_fp8(z)
-        y = seg.mask_packed(fp8_grouped_linear(h_8, down_8, seg))
+        z = seg.mask_packed(fp8.grouped_linear((q, scales), gate_up_8, seg))
+        h_8 = fp8.swiglu_to_fp8(z)
+        y = seg.mask_packed(fp8.grouped_linear(h_8, down_8, seg))
         ctx.save_for_backward(q, scales, z, *h_8, *gate_up_8, *down_8)
-        ctx.seg = seg
+        ctx.seg, ctx.fp8 = seg, fp8
         ctx.fp8_weight_grads = fp8_weight_grads
         ctx.carrier_dtype = None if carrier is None else carrier.dtype
         ctx.weight_dtypes = (gate_up_proj.dtype, down_proj.dtype)
@@ -341,23 +63,25 @@ class _FP8SwiGLU(torch.autograd.Function):
         q, scales, z, h_q, h_scales, *weights = ctx.saved_tensors
         gate_up_8, down_8 = FP8Weight(*weights[:3]), FP8Weight(*weights[3:])
         seg: ExpertSegments = ctx.seg
+        fp8: ReferenceFP8 = ctx.fp8
         grad_y = seg.mask_packed(grad_y.to(torch.bfloat16).contiguous())
-        grad_down = _weight_grad(grad_y, (h_q, h_scales), seg, ctx.fp8_weight_grads)
-        grad_h = fp8_grouped_input_grad(grad_y, down_8, seg)
-        grad_z, grad_z_8 = swiglu_backward(z, seg.mask_packed(grad_h))
-        grad_gate_up = _weight_grad(grad_z, (q, scales), seg, ctx.fp8_weight_grads)
+        grad_down = _weight_grad(fp8, grad_y, (h_q, h_scales), seg, ctx.fp8_weight_grads)
+        grad_h = fp8.input_grad(grad_y, down_8, seg)
+        grad_z, grad_z_8 = fp8.swiglu_backward(z, seg.mask_packed(grad_h))
+        grad_gate_up = _weight_grad(fp8, grad_z, (q, scales), seg, ctx.fp8_weight_grads)
         grad_x = None
         if ctx.carrier_dtype is not None:
-            grad_x = seg.mask_packed(fp8_grouped_input_grad(grad_z, gate_up_8, seg, grad_z_8)).to(ctx.carrier_dtype)
+            grad_x = seg.mask_packed(fp8.input_grad(grad_z, gate_up_8, seg, grad_z_8)).to(ctx.carrier_dtype)
         gate_up_dtype, down_dtype = ctx.weight_dtypes
         return None, None, grad_x, grad_gate_up.to(gate_up_dtype), grad_down.to(down_dtype), None, None, None
 
 
-def _weight_grad(grad: torch.Tensor, x: FP8Tokens, seg: ExpertSegments, in_fp8: bool) -> torch.Tensor:
+def _weight_grad(fp8: ReferenceFP8, grad: torch.Tensor, x: FP8Tokens, seg: ExpertSegments,
+                 in_fp8: bool) -> torch.Tensor:
     """The experts' weight gradient against the FP8 activation `x`: in FP8, or in BF16 on its dequantized values."""
     if in_fp8:
-        return fp8_grouped_weight_grad(grad, x, seg)
-    return grouped_weight_grad(grad, seg.mask_packed(rows_from_fp8(*x)), seg)
+        return fp8.weight_grad(grad, x, seg)
+    return grouped_weight_grad(grad, seg.mask_packed(fp8.rows_from_fp8(*x)), seg)
 
 
 def _float_scales(q: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
@@ -375,7 +99,7 @@ class GroupedMLP(nn.Module):
     `gate, up = (x @ gate_up_proj[e].T).chunk(2)` and `(silu(gate) * up) @ down_proj[e].T`.
 
     With `use_fp8`, the weights are cast to FP8 on every forward, and `fp8_weight_grads` computes
-    the weight gradients in FP8 as well (`fp8_grouped_weight_grad`). `cache_fp8_weights` keeps the
+    the weight gradients in FP8 as well (see the module docstring). `cache_fp8_weights` keeps the
     casts until a parameter's version counter moves (in-place updates: optimizer steps,
     `load_state_dict`). Leave it off where a wrapper refills parameter storage behind autograd's
     back (FSDP-style unsharding), since that may not move the counter.
@@ -448,7 +172,7 @@ class GroupedMLP(nn.Module):
             out = self._from_fp8_tokens(flat(x[0]), flat(_float_scales(*x)), carrier, seg)
         elif self.use_fp8:
             # Straight-through: `x` itself carries the gradient of the tokens' FP8 cast.
-            out = self._fp8(*cast_rows_to_fp8(flat(x).detach()), flat(x), seg)
+            out = self._fp8(*fp8_backend_for(x.device).cast_rows(flat(x).detach()), flat(x), seg)
         else:
             out = self._bf16(flat(x), seg)
         if routing_weights is not None:
@@ -499,6 +223,7 @@ class GroupedMLP(nn.Module):
         if self.cache_fp8_weights and self._fp8_weight_cache is not None and self._fp8_weight_cache[0] == key:
             return self._fp8_weight_cache[1]
         self._fp8_weight_cache = None  # freed before the new casts are made
-        weights_8 = (cast_weight_to_fp8(self.gate_up_proj), cast_weight_to_fp8(self.down_proj))
+        fp8 = fp8_backend_for(self.gate_up_proj.device)
+        weights_8 = (fp8.cast_weight(self.gate_up_proj), fp8.cast_weight(self.down_proj))
         self._fp8_weight_cache = (key, weights_8) if self.cache_fp8_weights else None
         return weights_8

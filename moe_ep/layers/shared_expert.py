@@ -7,7 +7,7 @@ from typing import Optional
 import torch
 from torch import nn
 
-from .experts import swiglu
+from ..kernels.grouped import swiglu
 
 
 class SharedExpertMLP(nn.Module):

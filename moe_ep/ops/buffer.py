@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from typing import Callable, Optional, Union
+from typing import Callable, Optional, TypeVar, Union
 
 import torch
 import torch.distributed as dist
@@ -11,9 +11,10 @@ from . import validation as check
 from .backends import create_backend, cuda_extension_available
 from .backends.base import CommBackend
 from .config import Config, default_combine_config, default_dispatch_config, low_latency_buffer_bytes
+from .constants import NUM_MAX_NVL_PEERS
 from .event import EventOverlap, capture_event
 from .handles import DispatchHandle, LowLatencyHandle
-from .routing import NUM_MAX_NVL_PEERS
+from .requests import Request
 from .streams import CommStreams, StreamScope
 
 topk_idx_t = torch.int64
@@ -21,10 +22,7 @@ topk_idx_t = torch.int64
 
 Tokens = Union[torch.Tensor, tuple[torch.Tensor, torch.Tensor]]
 Bias = Union[None, torch.Tensor, tuple[torch.Tensor, torch.Tensor]]
-
-_NORMAL_DTYPES = (torch.bfloat16, torch.float16, torch.float32, torch.float64)
-_DTYPE_CODES = {dtype: code for code, dtype in enumerate(
-    (torch.bfloat16, torch.float16, torch.float32, torch.float64, torch.float8_e4m3fn, torch.int32))}
+RequestT = TypeVar("RequestT", bound=Request)
 
 
 class Buffer:
@@ -167,14 +165,21 @@ class Buffer:
         assert self._cuda is not None
         return self._cuda
 
-    def _validated(self, backend: CommBackend, op: str, device: torch.device,
-                   checks: Callable[[], dict[str, int]]) -> None:
-        """Run local checks, then let every rank fail together if any rank's checks failed."""
+    def _request(self, op: str, x: object, build: Callable[[], RequestT],
+                 low_latency: bool = False) -> tuple[CommBackend, RequestT]:
+        """The backend for `x`'s device and the checked request `build` returns; if any rank's checks
+        failed, every rank raises (the failing rank its own error)."""
+        tensor = x if isinstance(x, torch.Tensor) else torch.empty(0)
+        backend = self._backend_for(tensor)
         try:
-            fields, error = checks(), None
+            if low_latency:
+                self._require_low_latency(op)
+            request = build()
         except (TypeError, ValueError) as exc:
-            fields, error = {}, exc
-        backend.agree(op, fields, error, device)
+            backend.agree(op, {}, exc, tensor.device)  # raises `exc` once the peers know
+            raise
+        backend.agree(op, request.agreed(), None, tensor.device)
+        return backend, request
 
     def _scope(self, device: torch.device, previous_event: Optional[EventOverlap], async_finish: bool,
                allocate_on_comm_stream: bool) -> StreamScope:
@@ -194,7 +199,16 @@ class Buffer:
         async_finish: bool = False,
         allocate_on_comm_stream: bool = False,
     ) -> tuple[torch.Tensor, Optional[torch.Tensor], torch.Tensor, torch.Tensor, EventOverlap]:
-        """Counts per rank, per node (None in one node) and per expert, and `is_token_in_rank [T, R]`."""
+        """Where each token goes, from its experts (local: no communication).
+
+        Args:
+            topk_idx: `[T, k]` int64 expert ids, -1 for a masked slot.
+            num_experts: E, a multiple of the group size (rank r owns experts `[r*E/R, (r+1)*E/R)`).
+            previous_event, async_finish, allocate_on_comm_stream: stream ordering, as in `dispatch`.
+
+        Returns `(num_tokens_per_rank [R] int32, num_tokens_per_rdma_rank (None in one node),
+        num_tokens_per_expert [E] int32, is_token_in_rank [T, R] bool, event)`.
+        """
         check.check_topk_idx("topk_idx", topk_idx, None, getattr(topk_idx, "device", None))
         check.check_num_experts(num_experts, self.group_size)
         check.check_topk_values("topk_idx", topk_idx, num_experts)
@@ -223,59 +237,50 @@ class Buffer:
         allocate_on_comm_stream: bool = False,
     ) -> tuple[Tokens, Optional[torch.Tensor], Optional[torch.Tensor], Optional[list[int]], Optional[DispatchHandle],
                EventOverlap]:
-        """Send each token to every rank holding one of its experts (see DeepEP's `dispatch`).
+        """Send each token once to every rank holding one of its experts.
+
+        Args:
+            x: `[T, H]` tokens (bf16, fp16, fp32 or fp64; rows a multiple of 16 bytes), or FP8
+                `(data [T, H] float8_e4m3fn, scales [T, H/128] float32)` (H a multiple of 128).
+            handle: a previous dispatch's handle: move `x` along the same layout (a cached
+                dispatch, which takes no layout, top-k or `topk_weights`).
+            num_tokens_per_rank, num_tokens_per_rdma_rank, is_token_in_rank, num_tokens_per_expert:
+                `get_dispatch_layout`'s outputs for `topk_idx` (the rdma one is unused in one node).
+            topk_idx: `[T, k]` int64 expert ids (-1 masked), sent along with the tokens.
+            topk_weights: `[T, k]` float32, sent along (needs `topk_idx`).
+            expert_alignment: each count of `num_recv_tokens_per_expert_list` is rounded up to it.
+            num_worst_tokens: > 0: every output has exactly this many rows (padding after the received
+                ones) and the call does not wait on the host; receiving more is an error.
+            config: SMs and chunk sizes (`get_dispatch_config` by default).
+            previous_event: the communication stream waits for it (else for the current stream).
+            async_finish: do not make the current stream wait; wait for the returned event instead.
+            allocate_on_comm_stream: outputs belong to the communication stream (needs
+                `previous_event` and `async_finish`).
 
         Returns `(recv_x, recv_topk_idx, recv_topk_weights, num_recv_tokens_per_expert_list, handle,
-        event)`; with a cached `handle`, only `recv_x` and `event` are set.
+        event)`: `recv_x [N, H]` (`(data, scales)` for FP8) with rows source-rank-major, then in the
+        sender's token order; `recv_topk_idx [N, k]` local expert ids (-1 elsewhere) and
+        `recv_topk_weights [N, k]` (0 there); the received tokens per local expert (aligned; empty with
+        `num_worst_tokens`); the `DispatchHandle` for `combine` and cached dispatch. A cached dispatch
+        sets only `recv_x` and `event`. Exact values: docs/semantics.md.
         """
-        data, scales = x if isinstance(x, tuple) else (x, None)
         config = config if config is not None else self.get_dispatch_config(self.group_size)
-        data_device = data.device if isinstance(data, torch.Tensor) else torch.device("cpu")
-        backend = self._backend_for(data if isinstance(data, torch.Tensor) else torch.empty(0))
-        cached = handle is not None
-
-        def checks() -> dict[str, int]:
-            check.check_positive_int("expert_alignment", expert_alignment)
-            check.check_positive_int("num_worst_tokens", num_worst_tokens, minimum=0)
-            num_tokens, hidden = self._check_tokens(data, scales, data_device)
-            if cached:
-                if any(t is not None for t in (num_tokens_per_rank, is_token_in_rank, num_tokens_per_expert,
-                                               topk_idx, topk_weights)):
-                    raise ValueError("handle: a cached dispatch takes no layout, topk_idx or topk_weights")
-                _check_handle(handle, num_tokens, self.group_size, data_device)
-                num_experts = num_topk = 0
-            else:
-                num_experts = self._check_layout(num_tokens_per_rank, is_token_in_rank, num_tokens_per_expert,
-                                                 num_tokens, data_device)
-                num_topk = 0
-                if topk_idx is not None:
-                    check.check_topk_idx("topk_idx", topk_idx, num_tokens, data_device)
-                    check.check_topk_values("topk_idx", topk_idx, num_experts)
-                    num_topk = topk_idx.size(1)
-                    if topk_weights is not None:
-                        check.check_topk_weights("topk_weights", topk_weights, topk_idx)
-                elif topk_weights is not None:
-                    raise ValueError("topk_weights: given without topk_idx")
-            return {"cached": int(cached), "hidden (x.shape[1])": hidden, "x.dtype": _DTYPE_CODES[data.dtype],
-                    "x scales": -1 if scales is None else scales.size(1), "topk_idx.shape[1]": num_topk,
-                    "topk_weights given": int(topk_weights is not None), "num_experts": num_experts,
-                    "config.num_sms": config.num_sms}
-
-        self._validated(backend, "cached_dispatch" if cached else "dispatch", data_device, checks)
-        scope = self._scope(data_device, previous_event, async_finish, allocate_on_comm_stream)
-        inputs = [data, scales, topk_idx, topk_weights, is_token_in_rank, num_tokens_per_expert, handle]
-        if cached:
-            assert handle is not None
+        op = "dispatch" if handle is None else "cached_dispatch"
+        backend, request = self._request(op, x[0] if isinstance(x, tuple) and x else x, lambda: check.dispatch_request(
+            x, handle, num_tokens_per_rank, is_token_in_rank, num_tokens_per_expert, topk_idx, topk_weights,
+            expert_alignment, num_worst_tokens, config, self.group_size))
+        scope = self._scope(request.x.device, previous_event, async_finish, allocate_on_comm_stream)
+        fp8 = request.x_scales is not None
+        if request.cached:
             with scope.run():
-                recv_x, recv_scales = backend.cached_dispatch(data, scales, handle, config)
-            recv = (recv_x, recv_scales) if scales is not None else recv_x
-            return recv, None, None, None, None, scope.finish(inputs, [recv_x, recv_scales])
+                recv_x, recv_scales = backend.cached_dispatch(request)
+            event = scope.finish(request.inputs(), [recv_x, recv_scales])
+            return (recv_x, recv_scales) if fp8 else recv_x, None, None, None, None, event
         with scope.run():
-            result = backend.dispatch(data, scales, topk_idx, topk_weights, num_tokens_per_rank, is_token_in_rank,
-                                      num_tokens_per_expert, expert_alignment, num_worst_tokens, config)
-        event = scope.finish(inputs, [result.recv_x, result.recv_x_scales, result.recv_topk_idx,
-                                      result.recv_topk_weights, result.handle])
-        recv = (result.recv_x, result.recv_x_scales) if scales is not None else result.recv_x
+            result = backend.dispatch(request)
+        event = scope.finish(request.inputs(), [result.recv_x, result.recv_x_scales, result.recv_topk_idx,
+                                                result.recv_topk_weights, result.handle])
+        recv = (result.recv_x, result.recv_x_scales) if fp8 else result.recv_x
         return (recv, result.recv_topk_idx, result.recv_topk_weights, result.num_recv_tokens_per_expert_list,
                 result.handle, event)
 
@@ -292,66 +297,25 @@ class Buffer:
     ) -> tuple[torch.Tensor, Optional[torch.Tensor], EventOverlap]:
         """Sum every dispatched row back onto its source token (no weights applied), plus `bias`.
 
-        Returns `(combined_x [T, H], combined_topk_weights [T, k] or None, event)`.
+        Args:
+            x: `[N, H]` rows in the dispatch's receive order (bf16, fp16, fp32 or fp64).
+            handle: that dispatch's handle.
+            topk_weights: `[N, k]` float32, summed back as `x` is (restores the sent weights).
+            bias: `[T, H]` in x's dtype, or a pair of them, added to the sums.
+            config: SMs and chunk sizes (`get_combine_config` by default); its `combine_path` picks
+                the CUDA backend's path.
+            previous_event, async_finish, allocate_on_comm_stream: stream ordering, as in `dispatch`.
+
+        Returns `(combined_x [T, H], combined_topk_weights [T, k] or None, event)`, summed in float32
+        (float64 for fp64) in rank order (docs/semantics.md).
         """
         config = config if config is not None else self.get_combine_config(self.group_size)
-        device = x.device if isinstance(x, torch.Tensor) else torch.device("cpu")
-        backend = self._backend_for(x if isinstance(x, torch.Tensor) else torch.empty(0))
-        bias_0, bias_1 = _unpack_bias(bias)
-
-        def checks() -> dict[str, int]:
-            check.check_tensor("x", x, dtype=_NORMAL_DTYPES, shape=(None, None), device=device, contiguous=True)
-            check.check_hidden_bytes("x", x)
-            num_tokens = _check_handle(handle, None, self.group_size, device)
-            if x.size(0) != handle.recv_src_idx.numel():
-                raise ValueError(f"x: expected {handle.recv_src_idx.numel()} rows (as dispatched), got {x.size(0)}")
-            if topk_weights is not None:
-                check.check_tensor("topk_weights", topk_weights, dtype=torch.float32, shape=(x.size(0), None),
-                                   device=device, contiguous=True)
-            for name, b in (("bias[0]", bias_0), ("bias[1]", bias_1)):
-                if b is not None:
-                    check.check_tensor(name, b, dtype=x.dtype, shape=(num_tokens, x.size(1)), device=device,
-                                       contiguous=True)
-            return {"hidden (x.shape[1])": x.size(1), "x.dtype": _DTYPE_CODES[x.dtype],
-                    "topk_weights.shape[1]": -1 if topk_weights is None else topk_weights.size(1)}
-
-        self._validated(backend, "combine", device, checks)
-        scope = self._scope(device, previous_event, async_finish, allocate_on_comm_stream)
+        backend, request = self._request("combine", x, lambda: check.combine_request(
+            x, handle, topk_weights, bias, config, self.group_size))
+        scope = self._scope(request.x.device, previous_event, async_finish, allocate_on_comm_stream)
         with scope.run():
-            combined_x, combined_weights = backend.combine(x, handle, topk_weights, bias_0, bias_1, config)
-        event = scope.finish([x, topk_weights, bias_0, bias_1, handle], [combined_x, combined_weights])
-        return combined_x, combined_weights, event
-
-    def _check_tokens(self, data: object, scales: Optional[object], device: torch.device) -> tuple[int, int]:
-        if scales is None:
-            check.check_tensor("x", data, dtype=_NORMAL_DTYPES, shape=(None, None), device=device, contiguous=True)
-            check.check_hidden_bytes("x", data)
-            return data.size(0), data.size(1)
-        check.check_tensor("x[0]", data, dtype=torch.float8_e4m3fn, shape=(None, None), device=device,
-                           contiguous=True)
-        check.check_fp8_hidden("x[0]", data.size(1))
-        check.check_tensor("x[1]", scales, dtype=(torch.float32, torch.int32),
-                           shape=(data.size(0), None), device=device)
-        if scales.size(1) < 1 or scales.stride(1) != 1 and scales.size(1) > 1:
-            raise ValueError(f"x[1]: expected scales with contiguous rows, got strides {scales.stride()}")
-        return data.size(0), data.size(1)
-
-    def _check_layout(self, num_tokens_per_rank: Optional[torch.Tensor], is_token_in_rank: Optional[torch.Tensor],
-                      num_tokens_per_expert: Optional[torch.Tensor], num_tokens: int, device: torch.device) -> int:
-        if num_tokens_per_rank is None or is_token_in_rank is None or num_tokens_per_expert is None:
-            raise ValueError("num_tokens_per_rank, is_token_in_rank, num_tokens_per_expert: required without a "
-                             "handle (from get_dispatch_layout)")
-        check.check_tensor("num_tokens_per_rank", num_tokens_per_rank, dtype=torch.int32,
-                           shape=(self.group_size,), device=device)
-        check.check_tensor("is_token_in_rank", is_token_in_rank, dtype=torch.bool,
-                           shape=(num_tokens, self.group_size), device=device, contiguous=True)
-        check.check_tensor("num_tokens_per_expert", num_tokens_per_expert, dtype=torch.int32, shape=(None,),
-                           device=device)
-        num_experts = check.check_num_experts(num_tokens_per_expert.numel(), self.group_size)
-        if check.value_checks_enabled() and not torch.equal(is_token_in_rank.sum(0, dtype=torch.int32),
-                                                            num_tokens_per_rank):
-            raise ValueError("num_tokens_per_rank: does not match the column sums of is_token_in_rank")
-        return num_experts
+            combined_x, combined_weights = backend.combine(request)
+        return combined_x, combined_weights, scope.finish(request.inputs(), [combined_x, combined_weights])
 
     # ------------------------------------------------------------------ low-latency mode
 
@@ -381,48 +345,31 @@ class Buffer:
     ) -> tuple[Tokens, torch.Tensor, LowLatencyHandle, EventOverlap, Optional[Callable[[], None]]]:
         """Send one message per (token, expert) into the packed `[E_local, R*max, H]` layout.
 
-        Returns `(recv_x or (recv_x, scales), recv_count, handle, event, hook)`; with
-        `return_recv_hook`, data is only guaranteed after calling `hook()`.
+        Args:
+            x: `[T, H]` bf16 tokens, T <= `num_max_dispatch_tokens_per_rank`.
+            topk_idx: `[T, k]` int64 expert ids, -1 for a masked slot.
+            num_max_dispatch_tokens_per_rank: `max`, the same on every rank and call of a run.
+            num_experts: E, a multiple of the group size.
+            cumulative_local_expert_recv_stats: `[E_local]` int32, the received counts are added to it.
+            dispatch_wait_recv_cost_stats: `[R]` int64, nanoseconds waited for each source are added.
+            use_fp8: send e4m3 with 1x128 scales (H a multiple of 128); `round_scale`: power-of-two
+                scales; `use_ue8m0`: packed exponent bytes (needs both).
+            async_finish: do not make the current stream wait; wait for the returned event instead.
+            return_recv_hook: send only; the data arrives when `hook()` is called.
+
+        Returns `(recv_x or (recv_x, scales), recv_count [E_local] int32, handle, event, hook)`:
+        `recv_x [E_local, R*max, H]`, expert e's messages in rows `[0, recv_count[e])`; scales
+        `[E_local, R*max, H/128]` float32 or `[E_local, R*max, ceil(H/512)]` int32, token dimension
+        contiguous; `hook` None without `return_recv_hook`.
         """
-        device = x.device if isinstance(x, torch.Tensor) else torch.device("cpu")
-        backend = self._backend_for(x if isinstance(x, torch.Tensor) else torch.empty(0))
-        num_local = num_experts // self.group_size if isinstance(num_experts, int) else 0
-
-        def checks() -> dict[str, int]:
-            self._require_low_latency("low_latency_dispatch")
-            if use_ue8m0 and not (use_fp8 and round_scale):
-                raise ValueError("use_ue8m0: requires use_fp8=True and round_scale=True")
-            if async_finish and return_recv_hook:
-                raise ValueError("return_recv_hook: cannot be combined with async_finish")
-            check.check_positive_int("num_max_dispatch_tokens_per_rank", num_max_dispatch_tokens_per_rank)
-            check.check_num_experts(num_experts, self.group_size)
-            check.check_tensor("x", x, dtype=torch.bfloat16, shape=(None, None), device=device, contiguous=True)
-            check.check_hidden_bytes("x", x)
-            if use_fp8:
-                check.check_fp8_hidden("x", x.size(1))
-            if x.size(0) > num_max_dispatch_tokens_per_rank:
-                raise ValueError(f"x: {x.size(0)} tokens exceed num_max_dispatch_tokens_per_rank="
-                                 f"{num_max_dispatch_tokens_per_rank}")
-            check.check_topk_idx("topk_idx", topk_idx, x.size(0), device)
-            check.check_topk_values("topk_idx", topk_idx, num_experts)
-            if cumulative_local_expert_recv_stats is not None:
-                check.check_tensor("cumulative_local_expert_recv_stats", cumulative_local_expert_recv_stats,
-                                   dtype=torch.int32, shape=(num_local,), device=device)
-            if dispatch_wait_recv_cost_stats is not None:
-                check.check_tensor("dispatch_wait_recv_cost_stats", dispatch_wait_recv_cost_stats,
-                                   dtype=torch.int64, shape=(self.group_size,), device=device)
-            return {"hidden (x.shape[1])": x.size(1), "num_experts": num_experts,
-                    "num_max_dispatch_tokens_per_rank": num_max_dispatch_tokens_per_rank, "use_fp8": int(use_fp8),
-                    "round_scale": int(round_scale), "use_ue8m0": int(use_ue8m0)}
-
-        self._validated(backend, "low_latency_dispatch", device, checks)
-        scope = self._scope(device, None, async_finish, False)
+        backend, request = self._request("low_latency_dispatch", x, lambda: check.low_latency_dispatch_request(
+            x, topk_idx, num_max_dispatch_tokens_per_rank, num_experts, cumulative_local_expert_recv_stats,
+            dispatch_wait_recv_cost_stats, use_fp8, round_scale, use_ue8m0, async_finish, return_recv_hook,
+            self.group_size), low_latency=True)
+        scope = self._scope(request.x.device, None, async_finish, False)
         with scope.run():
-            result, hook = backend.low_latency_dispatch(
-                x, topk_idx, num_max_dispatch_tokens_per_rank, num_experts, cumulative_local_expert_recv_stats,
-                dispatch_wait_recv_cost_stats, use_fp8, round_scale, use_ue8m0, return_recv_hook)
-        event = scope.finish([x, topk_idx, cumulative_local_expert_recv_stats],
-                             [result.recv_x, result.recv_x_scales, result.recv_count, result.handle])
+            result, hook = backend.low_latency_dispatch(request)
+        event = scope.finish(request.inputs(), [result.recv_x, result.recv_x_scales, result.recv_count, result.handle])
         recv = (result.recv_x, result.recv_x_scales) if use_fp8 else result.recv_x
         return recv, result.recv_count, result.handle, event, hook
 
@@ -448,84 +395,35 @@ class Buffer:
         also in float32. Tokens with no valid slot get zeros. The rank holding the experts reduces before
         sending, so one row per (token, rank) crosses the link instead of one per (token, expert); the
         result differs from DeepEP's (one float32 sum over all slots) by at most the BF16 rounding of the
-        per-rank partial sums. `topk_idx` must route every token as the dispatch behind `handle` did.
-        Both backends compute exactly this (docs/semantics.md).
+        per-rank partial sums. Both backends compute exactly this (docs/semantics.md).
+
+        Args:
+            x: `[E_local, R*max, H]` bf16 expert outputs in the dispatch's packed layout.
+            topk_idx: `[T, k]` int64, routing every token as the dispatch behind `handle` did.
+            topk_weights: `[T, k]` float32.
+            handle: that dispatch's handle.
+            use_logfmt: must be False (the LogFMT wire format is not supported).
+            zero_copy: read the outputs from `get_next_low_latency_combine_buffer(handle)`, not `x`.
+            async_finish, return_recv_hook: as in `low_latency_dispatch`.
+            out: `[T, H]` bf16 receiving the result in place.
+            combine_wait_recv_cost_stats: `[R]` int64, nanoseconds waited for each rank are added.
 
         Returns `(combined_x [T, H] bf16, event, hook)`.
         """
-        device = x.device if isinstance(x, torch.Tensor) else torch.device("cpu")
-        backend = self._backend_for(x if isinstance(x, torch.Tensor) else torch.empty(0))
-
-        def checks() -> dict[str, int]:
-            self._require_low_latency("low_latency_combine")
-            if use_logfmt:
-                raise ValueError("use_logfmt: the LogFMT wire format is not supported; pass use_logfmt=False")
-            if async_finish and return_recv_hook:
-                raise ValueError("return_recv_hook: cannot be combined with async_finish")
-            hdl = _check_low_latency_handle(handle, self.group_size)
-            slots = self.group_size * hdl.num_max_dispatch_tokens_per_rank
-            check.check_tensor("x", x, dtype=torch.bfloat16,
-                               shape=(hdl.num_experts // self.group_size, slots, hdl.hidden), device=device,
-                               contiguous=True)
-            check.check_topk_idx("topk_idx", topk_idx, None, device)
-            if topk_idx.size(0) > hdl.num_max_dispatch_tokens_per_rank:
-                raise ValueError(f"topk_idx: {topk_idx.size(0)} tokens exceed num_max_dispatch_tokens_per_rank="
-                                 f"{hdl.num_max_dispatch_tokens_per_rank}")
-            check.check_topk_values("topk_idx", topk_idx, hdl.num_experts)
-            check.check_topk_weights("topk_weights", topk_weights, topk_idx)
-            if out is not None:
-                check.check_tensor("out", out, dtype=torch.bfloat16, shape=(topk_idx.size(0), hdl.hidden),
-                                   device=device, contiguous=True)
-            if combine_wait_recv_cost_stats is not None:
-                check.check_tensor("combine_wait_recv_cost_stats", combine_wait_recv_cost_stats, dtype=torch.int64,
-                                   shape=(self.group_size,), device=device)
-            return {"hidden": hdl.hidden, "num_experts": hdl.num_experts,
-                    "num_max_dispatch_tokens_per_rank": hdl.num_max_dispatch_tokens_per_rank}
-
-        self._validated(backend, "low_latency_combine", device, checks)
-        scope = self._scope(device, None, async_finish, False)
+        backend, request = self._request("low_latency_combine", x, lambda: check.low_latency_combine_request(
+            x, topk_idx, topk_weights, handle, use_logfmt, zero_copy, async_finish, return_recv_hook, out,
+            combine_wait_recv_cost_stats, self.group_size), low_latency=True)
+        scope = self._scope(request.x.device, None, async_finish, False)
         with scope.run():
-            combined, hook = backend.low_latency_combine(x, topk_idx, topk_weights, handle, zero_copy,
-                                                         return_recv_hook, out, combine_wait_recv_cost_stats)
-        event = scope.finish([x, topk_idx, topk_weights, handle], [combined])
-        return combined, event, hook
+            combined, hook = backend.low_latency_combine(request)
+        return combined, scope.finish(request.inputs(), [combined]), hook
 
     def get_next_low_latency_combine_buffer(self, handle: LowLatencyHandle) -> torch.Tensor:
         """The `[E_local, R*max, H]` bf16 buffer a `zero_copy` combine reads: write expert outputs into it."""
         self._require_low_latency("get_next_low_latency_combine_buffer")
-        hdl = _check_low_latency_handle(handle, self.group_size)
+        hdl = check.check_low_latency_handle(handle, self.group_size)
         return self._backend_for(hdl.layout_range).get_next_low_latency_combine_buffer(hdl)
 
 
 def _is_nccl(group: dist.ProcessGroup) -> bool:
     return dist.get_backend(group) == "nccl"
-
-
-def _unpack_bias(bias: Bias) -> tuple[Optional[torch.Tensor], Optional[torch.Tensor]]:
-    if bias is None or isinstance(bias, torch.Tensor):
-        return bias, None
-    if isinstance(bias, tuple) and len(bias) == 2:
-        return bias
-    raise ValueError(f"bias: expected None, a tensor or a tuple of two tensors, got {type(bias).__name__}")
-
-
-def _check_handle(handle: object, num_tokens: Optional[int], num_ranks: int, device: torch.device) -> int:
-    """Check a normal-mode handle; returns the number of source tokens it describes."""
-    if not isinstance(handle, tuple) or len(handle) != len(DispatchHandle._fields):
-        raise ValueError("handle: expected the handle returned by dispatch")
-    hdl = DispatchHandle(*handle)
-    check.check_tensor("handle.rank_prefix_matrix", hdl.rank_prefix_matrix, dtype=torch.int32,
-                       shape=(num_ranks, num_ranks), device=device)
-    check.check_tensor("handle.is_token_in_rank", hdl.is_token_in_rank, dtype=torch.bool,
-                       shape=(num_tokens, num_ranks), device=device)
-    check.check_tensor("handle.recv_src_idx", hdl.recv_src_idx, dtype=torch.int32, shape=(None,), device=device)
-    return hdl.is_token_in_rank.size(0)
-
-
-def _check_low_latency_handle(handle: object, num_ranks: int) -> LowLatencyHandle:
-    if not isinstance(handle, tuple) or len(handle) != len(LowLatencyHandle._fields):
-        raise ValueError("handle: expected the handle returned by low_latency_dispatch")
-    hdl = LowLatencyHandle(*handle)
-    check.check_tensor("handle.layout_range", hdl.layout_range, dtype=torch.int64,
-                       shape=(hdl.num_experts // num_ranks, num_ranks))
-    return hdl

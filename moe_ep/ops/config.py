@@ -2,19 +2,22 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import KW_ONLY, dataclass
 
-NUM_MAX_TOPK = 32
-FP8_BLOCK = 128
-BUFFER_ALIGNMENT = 128
-CHANNELS_PER_SM_PAIR = 2
-"""Channels per pair of SMs, one SM each; `kChannelsPerSmPair` in `csrc/kernels/api.cuh`."""
+from .constants import BUFFER_ALIGNMENT, CHANNELS_PER_SM_PAIR, FP8_BLOCK, NUM_MAX_TOPK
+
 # Per-token metadata carried next to the hidden bytes: source index, top-k ids and weights.
 _TOKEN_META_BYTES = 4 + NUM_MAX_TOPK * (8 + 4)
 
 
 def _align(num_bytes: int, alignment: int = BUFFER_ALIGNMENT) -> int:
     return (num_bytes + alignment - 1) // alignment * alignment
+
+
+COMBINE_PATHS = ("auto", "staged", "rings")
+STAGED_COMBINE_WORLDS = frozenset({2, 3, 4})
+"""World sizes where `combine_path="auto"` picks the staged combine: measured faster than the rings
+there with benchmarks/bench_intranode.py on H200s (5-8 ranks not measured, so they keep the rings)."""
 
 
 @dataclass(frozen=True)
@@ -24,6 +27,15 @@ class Config:
     Positional order matches DeepEP's `Config(num_sms, nvl_send, nvl_recv, rdma_send, rdma_recv)`.
     `num_sms` must be even (as in DeepEP); every pair of SMs serves `CHANNELS_PER_SM_PAIR` channels
     (contiguous token ranges), each with its own ring per rank pair.
+
+    Keyword-only settings of the CUDA backend (the torch backend ignores them); every rank must pass
+    the same values, or the kernels time out:
+      * `pipeline_lag`: bulk stores a storer thread leaves in flight; 0 (default) = half the stages.
+      * `combine_path`: how a combine returns the rows. "staged" through a staging area in each
+        owner's NVLink buffer, which must hold every rank's returned rows (the rows it dispatched x
+        (hidden + top-k weights) bytes, rounded to 128; the kernel takes the rings when they do not
+        fit); "rings" through per-channel rings; "auto" (default) staged at the world sizes in
+        `STAGED_COMBINE_WORLDS`, rings elsewhere.
     """
 
     num_sms: int = 20
@@ -31,6 +43,9 @@ class Config:
     num_max_nvl_chunked_recv_tokens: int = 256
     num_max_rdma_chunked_send_tokens: int = 6
     num_max_rdma_chunked_recv_tokens: int = 128
+    _: KW_ONLY
+    pipeline_lag: int = 0
+    combine_path: str = "auto"
 
     def __post_init__(self) -> None:
         if self.num_sms <= 0 or self.num_sms % 2 != 0:
@@ -45,6 +60,17 @@ class Config:
                 "num_max_rdma_chunked_send_tokens: expected 0 < send chunk <= num_max_rdma_chunked_recv_tokens, got "
                 f"{self.num_max_rdma_chunked_send_tokens} and {self.num_max_rdma_chunked_recv_tokens}"
             )
+        if isinstance(self.pipeline_lag, bool) or not isinstance(self.pipeline_lag, int) or self.pipeline_lag < 0:
+            raise ValueError(f"pipeline_lag: expected an integer >= 0 (0 = half the stages), got {self.pipeline_lag!r}")
+        if self.combine_path not in COMBINE_PATHS:
+            raise ValueError(f"combine_path: expected one of {', '.join(COMBINE_PATHS)}, got {self.combine_path!r}")
+
+    def combines_staged(self, num_ranks: int) -> bool:
+        """Whether a combine at `num_ranks` ranks returns the rows through the staging area (when they
+        fit) rather than the rings, per `combine_path`."""
+        if self.combine_path == "auto":
+            return num_ranks in STAGED_COMBINE_WORLDS
+        return self.combine_path == "staged"
 
     @property
     def num_channels(self) -> int:
@@ -73,30 +99,27 @@ class Config:
 
 
 def default_dispatch_config(num_ranks: int, num_sms: int) -> Config:
-    """Dispatch settings for a world size, from benchmarks/bench_intranode.py on 4 x H200.
+    """Dispatch settings for a world size, measured with benchmarks/bench_intranode.py on H200s.
 
-    Session 11, kernels alone at 24 SMs in one call (`benchmarks/results/run_s11_7_*`): ring tails
-    published every 16 tokens took the FP8 dispatch to 311-321 us against 340 us every 8, with the
-    BF16 dispatch unchanged (573-574 against 569 us); the full sweep's whole calls agreed
-    (`run_s11_5_intranode_sweep_ep4.json`: FP8 492-496 against 521-546 us).
-
-    Session 12, 8 x H200 (`run_s12_1_intranode_ep8.json`, whole calls): at 8 ranks every 8 tokens was
-    best at 20 and 24 SMs (BF16 + FP8 2031-2067 us against 2144-2172 every 16 and 2056-2188 every 4),
-    so worlds above 4 publish every 8 (5-7 ranks not measured).
+    At 4 ranks and 24 SMs, ring tails published every 16 tokens took the FP8 dispatch kernel to
+    311-321 us against 340 us every 8, with the BF16 one unchanged (573-574 against 569 us); whole
+    calls over the full sweep agreed (FP8 492-496 against 521-546 us). At 8 ranks every 8 tokens was
+    best at 20 and 24 SMs (BF16 + FP8 whole calls 2031-2067 us against 2144-2172 every 16 and
+    2056-2188 every 4), so worlds above 4 publish every 8 (5-7 ranks not measured).
     """
     return Config(num_sms, 16 if num_ranks <= 4 else 8, 256, 8, 128)
 
 
 def default_combine_config(num_ranks: int, num_sms: int) -> Config:
-    """Combine settings for a world size, from the session-10 sweep on 4 x H200
-    (`benchmarks/results/run_s10_6_intranode_ep4.json`, whole calls): publishing every 4 rows was best
-    (611-635 us at 20 SMs, 642-647 us at 24), 8-32 rows slower (674-718 us and 735-768 us)."""
+    """Combine settings for a world size, measured with benchmarks/bench_intranode.py on 4 x H200
+    (whole calls): publishing every 4 rows was best (611-635 us at 20 SMs, 642-647 us at 24), 8-32
+    rows slower (674-718 us and 735-768 us)."""
     return Config(num_sms, 4, 256, 8, 128)
 
 
 def low_latency_buffer_bytes(num_max_dispatch_tokens_per_rank: int, hidden: int, num_ranks: int, num_experts: int) -> int:
-    """Symmetric buffer bytes for low-latency mode (the layout of csrc/kernels/low_latency.cu
-    `make_layout`): a u64 acknowledgement word per rank; two (even/odd) halves, each with a u64 count
+    """Symmetric buffer bytes for low-latency mode (the layout of `make_layout` in csrc/low_latency/):
+    a u64 acknowledgement word per rank; two (even/odd) halves, each with a u64 count
     per (local expert, source rank), a u64 signal and a 2*hidden-byte row per (expert, token) slot, and
     the combine's metadata (a u64 flag and `NUM_MAX_TOPK` 8-byte (id, weight) entries per (source rank,
     token)); then one send region of as many rows as a half (the zero-copy combine buffer), the combine's

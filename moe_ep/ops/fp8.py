@@ -19,9 +19,10 @@ from __future__ import annotations
 import torch
 from einops import rearrange
 
+from .constants import FP8_BLOCK as BLOCK
+
 FP8_DTYPE = torch.float8_e4m3fn
 FP8_MAX = 448.0
-BLOCK = 128
 AMAX_FLOOR = 1e-4
 UE8M0_PER_INT32 = 4
 

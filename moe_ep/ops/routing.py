@@ -16,8 +16,7 @@ from typing import NamedTuple, Optional
 
 import torch
 
-NUM_MAX_NVL_PEERS = 8
-"""Ranks that count as one node (NVLink domain) when reporting per-node (RDMA rank) counts."""
+from .constants import NUM_MAX_NVL_PEERS
 
 
 class DispatchLayout(NamedTuple):

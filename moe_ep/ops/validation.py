@@ -1,16 +1,23 @@
-"""Argument checks that run before any communication: each error names the argument and what was expected."""
+"""Argument checks that run before any communication: each error names the argument and what was expected.
+
+The `*_request` functions check a whole `Buffer` call and return its request (`moe_ep.ops.requests`).
+"""
 
 from __future__ import annotations
 
-import os
 from typing import Iterable, Optional, Sequence, Union
 
 import torch
 
-from .config import NUM_MAX_TOPK
+from .config import Config
+from .constants import FP8_BLOCK, NUM_MAX_TOPK, ROW_ALIGNMENT_BYTES
+from .handles import DispatchHandle, LowLatencyHandle
+from .requests import CombineRequest, DispatchRequest, LowLatencyCombineRequest, LowLatencyDispatchRequest
+from .settings import settings
 
-ROW_ALIGNMENT_BYTES = 16
-FP8_BLOCK = 128
+
+NORMAL_DTYPES = (torch.bfloat16, torch.float16, torch.float32, torch.float64)
+"""Token dtypes of a normal-mode dispatch or combine (besides FP8 with scales)."""
 
 DTypes = Union[torch.dtype, Sequence[torch.dtype]]
 
@@ -22,7 +29,7 @@ class PeerInputError(ValueError):
 def value_checks_enabled() -> bool:
     """Whether to check tensor values (expert ids in range, no repeats): they read device data, so they
     are skipped while a CUDA graph is being captured and when `MOE_EP_CHECK_VALUES=0`."""
-    if os.environ.get("MOE_EP_CHECK_VALUES", "1") == "0":
+    if not settings().check_values:
         return False
     return not (torch.cuda.is_available() and torch.cuda.is_current_stream_capturing())
 
@@ -115,3 +122,185 @@ def check_topk_values(name: str, topk_idx: torch.Tensor, num_experts: int) -> No
 def check_topk_weights(name: str, topk_weights: object, topk_idx: torch.Tensor) -> torch.Tensor:
     return check_tensor(name, topk_weights, dtype=torch.float32, shape=tuple(topk_idx.shape), device=topk_idx.device,
                         contiguous=True)
+
+
+# ------------------------------------------------------------------ requests of the Buffer's operations
+
+
+def check_dispatch_handle(handle: object, num_tokens: Optional[int], num_ranks: int,
+                          device: torch.device) -> DispatchHandle:
+    """A normal-mode handle (`num_tokens`: the source tokens it must describe, None for any)."""
+    if not isinstance(handle, tuple) or len(handle) != len(DispatchHandle._fields):
+        raise ValueError("handle: expected the handle returned by dispatch")
+    hdl = DispatchHandle(*handle)
+    check_tensor("handle.rank_prefix_matrix", hdl.rank_prefix_matrix, dtype=torch.int32,
+                 shape=(num_ranks, num_ranks), device=device)
+    check_tensor("handle.is_token_in_rank", hdl.is_token_in_rank, dtype=torch.bool,
+                 shape=(num_tokens, num_ranks), device=device)
+    check_tensor("handle.recv_src_idx", hdl.recv_src_idx, dtype=torch.int32, shape=(None,), device=device)
+    return hdl
+
+
+def check_low_latency_handle(handle: object, num_ranks: int) -> LowLatencyHandle:
+    if not isinstance(handle, tuple) or len(handle) != len(LowLatencyHandle._fields):
+        raise ValueError("handle: expected the handle returned by low_latency_dispatch")
+    hdl = LowLatencyHandle(*handle)
+    check_tensor("handle.layout_range", hdl.layout_range, dtype=torch.int64,
+                 shape=(hdl.num_experts // num_ranks, num_ranks))
+    return hdl
+
+
+def _device_of(x: object) -> torch.device:
+    """Where the other tensors of a call must be: `x`'s device (the CPU when `x` is no tensor, which
+    its own check then rejects)."""
+    return x.device if isinstance(x, torch.Tensor) else torch.device("cpu")
+
+
+def _check_tokens(x: object, device: torch.device) -> tuple[torch.Tensor, Optional[torch.Tensor]]:
+    """A dispatch's `x`: rows, or FP8 rows with their scales; returns `(data, scales or None)`."""
+    if not isinstance(x, tuple):
+        check_tensor("x", x, dtype=NORMAL_DTYPES, shape=(None, None), device=device, contiguous=True)
+        check_hidden_bytes("x", x)
+        return x, None
+    if len(x) != 2:
+        raise ValueError(f"x: expected a tensor or a (data, scales) pair, got a tuple of {len(x)}")
+    data, scales = x
+    check_tensor("x[0]", data, dtype=torch.float8_e4m3fn, shape=(None, None), device=device, contiguous=True)
+    check_fp8_hidden("x[0]", data.size(1))
+    check_tensor("x[1]", scales, dtype=(torch.float32, torch.int32), shape=(data.size(0), None), device=device)
+    if scales.size(1) < 1 or scales.stride(1) != 1 and scales.size(1) > 1:
+        raise ValueError(f"x[1]: expected scales with contiguous rows, got strides {scales.stride()}")
+    return data, scales
+
+
+def _check_layout(num_tokens_per_rank: object, is_token_in_rank: object, num_tokens_per_expert: object,
+                  num_tokens: int, num_ranks: int, device: torch.device) -> None:
+    if num_tokens_per_rank is None or is_token_in_rank is None or num_tokens_per_expert is None:
+        raise ValueError("num_tokens_per_rank, is_token_in_rank, num_tokens_per_expert: required without a "
+                         "handle (from get_dispatch_layout)")
+    check_tensor("num_tokens_per_rank", num_tokens_per_rank, dtype=torch.int32, shape=(num_ranks,), device=device)
+    check_tensor("is_token_in_rank", is_token_in_rank, dtype=torch.bool, shape=(num_tokens, num_ranks),
+                 device=device, contiguous=True)
+    check_tensor("num_tokens_per_expert", num_tokens_per_expert, dtype=torch.int32, shape=(None,), device=device)
+    check_num_experts(num_tokens_per_expert.numel(), num_ranks)
+    if value_checks_enabled() and not torch.equal(is_token_in_rank.sum(0, dtype=torch.int32), num_tokens_per_rank):
+        raise ValueError("num_tokens_per_rank: does not match the column sums of is_token_in_rank")
+
+
+def dispatch_request(x: object, handle: object, num_tokens_per_rank: object, is_token_in_rank: object,
+                     num_tokens_per_expert: object, topk_idx: object, topk_weights: object, expert_alignment: object,
+                     num_worst_tokens: object, config: Config, num_ranks: int) -> DispatchRequest:
+    """The checked request of a `Buffer.dispatch` call (a cached dispatch with `handle`)."""
+    check_positive_int("expert_alignment", expert_alignment)
+    check_positive_int("num_worst_tokens", num_worst_tokens, minimum=0)
+    device = _device_of(x[0] if isinstance(x, tuple) and x else x)
+    data, scales = _check_tokens(x, device)
+    if handle is not None:
+        if any(t is not None for t in (num_tokens_per_rank, is_token_in_rank, num_tokens_per_expert, topk_idx,
+                                       topk_weights)):
+            raise ValueError("handle: a cached dispatch takes no layout, topk_idx or topk_weights")
+        hdl = check_dispatch_handle(handle, data.size(0), num_ranks, device)
+        return DispatchRequest(data, scales, None, None, None, None, None, expert_alignment, num_worst_tokens, config,
+                               hdl)
+    _check_layout(num_tokens_per_rank, is_token_in_rank, num_tokens_per_expert, data.size(0), num_ranks, device)
+    if topk_idx is not None:
+        check_topk_idx("topk_idx", topk_idx, data.size(0), device)
+        check_topk_values("topk_idx", topk_idx, num_tokens_per_expert.numel())
+        if topk_weights is not None:
+            check_topk_weights("topk_weights", topk_weights, topk_idx)
+    elif topk_weights is not None:
+        raise ValueError("topk_weights: given without topk_idx")
+    return DispatchRequest(data, scales, topk_idx, topk_weights, num_tokens_per_rank, is_token_in_rank,
+                           num_tokens_per_expert, expert_alignment, num_worst_tokens, config)
+
+
+def _split_bias(bias: object) -> tuple[Optional[torch.Tensor], Optional[torch.Tensor]]:
+    if bias is None or isinstance(bias, torch.Tensor):
+        return bias, None
+    if isinstance(bias, tuple) and len(bias) == 2:
+        return bias
+    raise ValueError(f"bias: expected None, a tensor or a tuple of two tensors, got {type(bias).__name__}")
+
+
+def combine_request(x: object, handle: object, topk_weights: object, bias: object, config: Config,
+                    num_ranks: int) -> CombineRequest:
+    """The checked request of a `Buffer.combine` call."""
+    device = _device_of(x)
+    bias_0, bias_1 = _split_bias(bias)
+    check_tensor("x", x, dtype=NORMAL_DTYPES, shape=(None, None), device=device, contiguous=True)
+    check_hidden_bytes("x", x)
+    hdl = check_dispatch_handle(handle, None, num_ranks, device)
+    if x.size(0) != hdl.recv_src_idx.numel():
+        raise ValueError(f"x: expected {hdl.recv_src_idx.numel()} rows (as dispatched), got {x.size(0)}")
+    if topk_weights is not None:
+        check_tensor("topk_weights", topk_weights, dtype=torch.float32, shape=(x.size(0), None), device=device,
+                     contiguous=True)
+    for name, b in (("bias[0]", bias_0), ("bias[1]", bias_1)):
+        if b is not None:
+            check_tensor(name, b, dtype=x.dtype, shape=(hdl.is_token_in_rank.size(0), x.size(1)), device=device,
+                         contiguous=True)
+    return CombineRequest(x, hdl, topk_weights, bias_0, bias_1, config)
+
+
+def _check_hook_without_async(async_finish: bool, return_recv_hook: bool) -> None:
+    if async_finish and return_recv_hook:
+        raise ValueError("return_recv_hook: cannot be combined with async_finish")
+
+
+def low_latency_dispatch_request(x: object, topk_idx: object, num_max_dispatch_tokens_per_rank: object,
+                                 num_experts: object, cumulative_local_expert_recv_stats: object,
+                                 dispatch_wait_recv_cost_stats: object, use_fp8: bool, round_scale: bool,
+                                 use_ue8m0: bool, async_finish: bool, return_recv_hook: bool,
+                                 num_ranks: int) -> LowLatencyDispatchRequest:
+    """The checked request of a `Buffer.low_latency_dispatch` call."""
+    device = _device_of(x)
+    if use_ue8m0 and not (use_fp8 and round_scale):
+        raise ValueError("use_ue8m0: requires use_fp8=True and round_scale=True")
+    _check_hook_without_async(async_finish, return_recv_hook)
+    check_positive_int("num_max_dispatch_tokens_per_rank", num_max_dispatch_tokens_per_rank)
+    check_num_experts(num_experts, num_ranks)
+    check_tensor("x", x, dtype=torch.bfloat16, shape=(None, None), device=device, contiguous=True)
+    check_hidden_bytes("x", x)
+    if use_fp8:
+        check_fp8_hidden("x", x.size(1))
+    if x.size(0) > num_max_dispatch_tokens_per_rank:
+        raise ValueError(f"x: {x.size(0)} tokens exceed num_max_dispatch_tokens_per_rank="
+                         f"{num_max_dispatch_tokens_per_rank}")
+    check_topk_idx("topk_idx", topk_idx, x.size(0), device)
+    check_topk_values("topk_idx", topk_idx, num_experts)
+    if cumulative_local_expert_recv_stats is not None:
+        check_tensor("cumulative_local_expert_recv_stats", cumulative_local_expert_recv_stats, dtype=torch.int32,
+                     shape=(num_experts // num_ranks,), device=device)
+    if dispatch_wait_recv_cost_stats is not None:
+        check_tensor("dispatch_wait_recv_cost_stats", dispatch_wait_recv_cost_stats, dtype=torch.int64,
+                     shape=(num_ranks,), device=device)
+    return LowLatencyDispatchRequest(x, topk_idx, num_max_dispatch_tokens_per_rank, num_experts,
+                                     cumulative_local_expert_recv_stats, dispatch_wait_recv_cost_stats, use_fp8,
+                                     round_scale, use_ue8m0, return_recv_hook)
+
+
+def low_latency_combine_request(x: object, topk_idx: object, topk_weights: object, handle: object, use_logfmt: bool,
+                                zero_copy: bool, async_finish: bool, return_recv_hook: bool, out: object,
+                                combine_wait_recv_cost_stats: object, num_ranks: int) -> LowLatencyCombineRequest:
+    """The checked request of a `Buffer.low_latency_combine` call."""
+    device = _device_of(x)
+    if use_logfmt:
+        raise ValueError("use_logfmt: the LogFMT wire format is not supported; pass use_logfmt=False")
+    _check_hook_without_async(async_finish, return_recv_hook)
+    hdl = check_low_latency_handle(handle, num_ranks)
+    max_tokens = hdl.num_max_dispatch_tokens_per_rank
+    check_tensor("x", x, dtype=torch.bfloat16, shape=(hdl.num_experts // num_ranks, num_ranks * max_tokens, hdl.hidden),
+                 device=device, contiguous=True)
+    check_topk_idx("topk_idx", topk_idx, None, device)
+    if topk_idx.size(0) > max_tokens:
+        raise ValueError(f"topk_idx: {topk_idx.size(0)} tokens exceed num_max_dispatch_tokens_per_rank={max_tokens}")
+    check_topk_values("topk_idx", topk_idx, hdl.num_experts)
+    check_topk_weights("topk_weights", topk_weights, topk_idx)
+    if out is not None:
+        check_tensor("out", out, dtype=torch.bfloat16, shape=(topk_idx.size(0), hdl.hidden), device=device,
+                     contiguous=True)
+    if combine_wait_recv_cost_stats is not None:
+        check_tensor("combine_wait_recv_cost_stats", combine_wait_recv_cost_stats, dtype=torch.int64,
+                     shape=(num_ranks,), device=device)
+    return LowLatencyCombineRequest(x, topk_idx, topk_weights, hdl, zero_copy, return_recv_hook, out,
+                                    combine_wait_recv_cost_stats)

@@ -12,7 +12,7 @@ import hashlib
 import importlib.util
 import os
 import sys
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 from typing import Optional
 
 import pytest
@@ -21,6 +21,8 @@ import torch.distributed as dist
 
 import moe_ep
 from moe_ep.ops import fp8
+from moe_ep.ops.requests import DispatchRequest
+from moe_ep.ops.settings import reload as reload_settings
 from dist_pool import DistPool, gpu_worlds
 from reference import expert_output, make_inputs, tokens_for
 
@@ -140,17 +142,15 @@ def _round_trip(buffer: moe_ep.Buffer, c: Case, x: object, topk_idx: torch.Tenso
         y = expert_output(recv_x, rank)
         cuda = buffer._cuda
         # The CUDA backend combines through the staging area when it fits, else (or when told) the rings.
-        runs = [("torch", True)]
+        runs = [("torch", "staged")]
         if cuda is not None:
-            runs = [("staged", True), ("rings", False)] if staging_fits else [("rings", True)]
-        for path, staged in runs:
-            if cuda is not None:
-                cuda.staged_combine = staged
-            combined = buffer.combine(y, handle, topk_weights=recv[2], bias=bias, config=config, **extra)
+            runs = [("staged", "staged"), ("rings", "rings")] if staging_fits else [("rings", "staged")]
+        for path, combine_path in runs:
+            combined = buffer.combine(y, handle, topk_weights=recv[2], bias=bias,
+                                      config=replace(config, combine_path=combine_path), **extra)
             combined[-1].current_stream_wait()
             if cuda is not None:
                 assert cuda.last_combine_path() == path, f"combine ran {cuda.last_combine_path()}, not {path}"
-                cuda.staged_combine = None
             out[f"combine_{path}"] = combined[:2]
     torch.cuda.synchronize()
     return out
@@ -287,7 +287,8 @@ def _graph_captured_dispatch(rank: int, world: int) -> None:
     per_rank, _, per_expert, in_rank, _ = cuda_buf.get_dispatch_layout(topk_idx, num_experts)
 
     def dispatch() -> object:
-        return backend.dispatch(x, None, topk_idx, topk_weights, per_rank, in_rank, per_expert, 1, num_worst, config)
+        return backend.dispatch(DispatchRequest(x, None, topk_idx, topk_weights, per_rank, in_rank, per_expert, 1,
+                                                num_worst, config))
 
     eager = dispatch()
     torch.cuda.synchronize()
@@ -364,8 +365,10 @@ def test_num_worst_tokens_overflow_raises_everywhere(gpu_pool, scenario: str) ->
 
 def _absent_peer(rank: int, world: int) -> str:
     os.environ["MOE_EP_TIMEOUT_S"] = "2"
+    reload_settings()
     buffer = moe_ep.Buffer(dist.group.WORLD, 1 << 24, backend="cuda", explicitly_destroy=True)
     del os.environ["MOE_EP_TIMEOUT_S"]
+    reload_settings()
     outcome = "skipped"
     if rank == 0:
         topk_idx = torch.zeros(8, 2, dtype=torch.int64, device="cuda")

@@ -11,13 +11,14 @@ import pytest
 import torch
 
 import test_fp8_grouped_gemm as cpu
+from moe_ep.kernels.loaders import fp8_extension
 from moe_ep.ops import fp8
 
 gemm = cpu.gemm
 casts = cpu.casts
 pytestmark = pytest.mark.skipif(
     not torch.cuda.is_available() or torch.cuda.get_device_capability() != (9, 0)
-    or gemm.fp8_cuda.fp8_extension() is None,
+    or fp8_extension() is None,
     reason="needs an sm_90 GPU and moe_ep._fp8 built for sm_90a")
 
 
@@ -180,16 +181,17 @@ def test_depth_grouped_gemm_matches_float64_reference(counts: list[int], width_a
 
 
 def test_weight_grad_on_the_gpu_matches_the_reference_path(monkeypatch) -> None:
-    """`fp8_grouped_weight_grad` on the CUDA kernels against its CPU reference on the same inputs."""
-    import moe_ep.layers.experts as experts
+    """The FP8 weight gradient on the CUDA kernels against its CPU reference on the same inputs."""
+    from moe_ep.kernels.fp8_backend import fp8_backend_for
+    from moe_ep.kernels.grouped import ExpertSegments
     counts = [272, 0, 48, 1040, 16]
     g = torch.Generator().manual_seed(11)
     grad = torch.randn(sum(counts) + 32, 256, generator=g).bfloat16()
     x = fp8.per_token_cast_to_fp8(torch.randn(sum(counts) + 32, 512, generator=g))
     seg_args = (torch.tensor(counts, dtype=torch.int32), sum(counts) + 32)
-    got = experts.fp8_grouped_weight_grad(grad.cuda(), (x[0].cuda(), x[1].cuda()),
-                                          experts.ExpertSegments(seg_args[0].cuda(), seg_args[1]))
-    want = experts.fp8_grouped_weight_grad(grad, x, experts.ExpertSegments(*seg_args))
+    got = fp8_backend_for(torch.device("cuda")).weight_grad(grad.cuda(), (x[0].cuda(), x[1].cuda()),
+                                                            ExpertSegments(seg_args[0].cuda(), seg_args[1]))
+    want = fp8_backend_for(torch.device("cpu")).weight_grad(grad, x, ExpertSegments(*seg_args))
     assert got.shape == want.shape == (len(counts), 256, 512)
     # The same casts (Triton against the reference, bit for bit elsewhere); FP32 products summed in
     # another order and both rounded to BF16.

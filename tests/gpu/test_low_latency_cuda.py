@@ -23,6 +23,7 @@ from moe_ep.ops.backends.base import LowLatencyDispatchResult
 from moe_ep.ops.backends.cuda_low_latency import LowLatencyRuntime, low_latency_available
 from moe_ep.ops.backends.torch_backend import TorchBackend
 from moe_ep.ops.config import low_latency_buffer_bytes
+from moe_ep.ops.requests import LowLatencyCombineRequest, LowLatencyDispatchRequest
 from moe_ep.ops.routing import expand_blocks, unpack_layout_range
 from dist_pool import DistPool, gpu_pool_backend, gpu_worlds
 from reference import make_inputs, tokens_for
@@ -74,8 +75,9 @@ def _cuda_runtime(rank: int, world: int, cases: list[Case] = CASES) -> LowLatenc
 def _dispatch(backend, inputs, c: Case, num_experts: int, max_tokens: int):
     stats = torch.zeros(num_experts // dist.get_world_size(), dtype=torch.int32, device="cuda")
     wait_ns = torch.zeros(dist.get_world_size(), dtype=torch.int64, device="cuda")
-    result, hook = backend.low_latency_dispatch(inputs.x, inputs.topk_idx, max_tokens, num_experts, stats, wait_ns,
-                                                c.use_fp8, c.round_scale, c.use_ue8m0, c.hook)
+    result, hook = backend.low_latency_dispatch(LowLatencyDispatchRequest(
+        inputs.x, inputs.topk_idx, max_tokens, num_experts, stats, wait_ns, c.use_fp8, c.round_scale, c.use_ue8m0,
+        c.hook))
     assert (hook is not None) == c.hook
     if hook is not None:
         hook()
@@ -99,8 +101,8 @@ def _combine(backend, inputs, result: LowLatencyDispatchResult, c: Case, rank: i
         backend.get_next_low_latency_combine_buffer(result.handle).copy_(y)
     out = torch.full(inputs.x.shape, float("nan"), dtype=torch.bfloat16, device="cuda") if c.use_out else None
     wait_ns = torch.zeros(dist.get_world_size(), dtype=torch.int64, device="cuda")
-    combined, hook = backend.low_latency_combine(y, inputs.topk_idx, inputs.topk_weights, result.handle, c.zero_copy,
-                                                 c.hook, out, wait_ns)
+    combined, hook = backend.low_latency_combine(LowLatencyCombineRequest(
+        y, inputs.topk_idx, inputs.topk_weights, result.handle, c.zero_copy, c.hook, out, wait_ns))
     if hook is not None:
         hook()
     if out is not None:
@@ -233,11 +235,11 @@ def test_low_latency_relocatable_module_matches_torch(monkeypatch, transport: st
 
 
 def test_transport_setting_is_checked(monkeypatch) -> None:
-    from moe_ep.ops.backends import cuda_low_latency as module
+    from moe_ep.ops.settings import reload as reload_settings
 
     monkeypatch.setenv("MOE_EP_LOW_LATENCY_TRANSPORT", "ibgda")
     with pytest.raises(ValueError, match="MOE_EP_LOW_LATENCY_TRANSPORT"):
-        module._choose_transport(None, 1, torch.device("cpu"))
+        reload_settings()
 
 
 # ------------------------------------------------------------------ operations in flight
@@ -253,12 +255,14 @@ def _two_micro_batches(rank: int, world: int, case: dict) -> int:
     (a, num_experts), (b, _), (d, _) = (_inputs(c, world, rank, seed) for seed in (21, 22, 23))
 
     def send(inputs):
-        return cuda.low_latency_dispatch(inputs.x, inputs.topk_idx, c.max_tokens, num_experts, None, None, c.use_fp8,
-                                         c.round_scale, c.use_ue8m0, True)
+        return cuda.low_latency_dispatch(LowLatencyDispatchRequest(
+            inputs.x, inputs.topk_idx, c.max_tokens, num_experts, None, None, c.use_fp8, c.round_scale, c.use_ue8m0,
+            True))
 
     def combine_send(inputs, result):
-        return cuda.low_latency_combine(_expert_outputs(result, rank), inputs.topk_idx, inputs.topk_weights,
-                                        result.handle, False, True, None, None)
+        return cuda.low_latency_combine(LowLatencyCombineRequest(
+            _expert_outputs(result, rank), inputs.topk_idx, inputs.topk_weights, result.handle, False, True, None,
+            None))
 
     (got_a, hook_a), (got_b, hook_b) = send(a), send(b)
     hook_b()
@@ -298,11 +302,12 @@ def _graph_replay(rank: int, world: int, case: dict) -> int:
     torch.cuda.synchronize()
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph, capture_error_mode="thread_local"):  # the NCCL watchdog thread runs on
-        captured, _ = cuda.low_latency_dispatch(static.x, static.topk_idx, c.max_tokens, num_experts, None, None,
-                                                c.use_fp8, c.round_scale, c.use_ue8m0, False)
+        captured, _ = cuda.low_latency_dispatch(LowLatencyDispatchRequest(
+            static.x, static.topk_idx, c.max_tokens, num_experts, None, None, c.use_fp8, c.round_scale, c.use_ue8m0,
+            False))
         y = _expert_outputs(captured, rank)
-        combined, _ = cuda.low_latency_combine(y, static.topk_idx, static.topk_weights, captured.handle, False, False,
-                                               None, None)
+        combined, _ = cuda.low_latency_combine(LowLatencyCombineRequest(
+            y, static.topk_idx, static.topk_weights, captured.handle, False, False, None, None))
     received = 0
     for seed in (11, 12, 13, 11):
         mine, _ = _inputs(c, world, rank, seed)
@@ -381,12 +386,12 @@ def _absent_peer(rank: int, world: int) -> str:
     message = ""
     if rank == 0:
         mine, _ = _inputs(c, world, rank, 5)
-        runtime.low_latency_dispatch(mine.x, mine.topk_idx, c.max_tokens, num_experts, None, None, False, False,
-                                     False, False)
+        runtime.low_latency_dispatch(LowLatencyDispatchRequest(
+            mine.x, mine.topk_idx, c.max_tokens, num_experts, None, None, False, False, False, False))
         torch.cuda.synchronize()
         with pytest.raises(RuntimeError, match="gave up") as error:
-            runtime.low_latency_dispatch(mine.x, mine.topk_idx, c.max_tokens, num_experts, None, None, False, False,
-                                         False, False)
+            runtime.low_latency_dispatch(LowLatencyDispatchRequest(
+                mine.x, mine.topk_idx, c.max_tokens, num_experts, None, None, False, False, False, False))
         message = str(error.value)
     dist.barrier()
     runtime.destroy()
@@ -410,8 +415,8 @@ def _clean_without_peer(rank: int, world: int) -> tuple[str, str]:
         torch.cuda.synchronize()
         mine, _ = _inputs(c, world, rank, 5)
         with pytest.raises(RuntimeError, match="gave up") as error:
-            runtime.low_latency_dispatch(mine.x, mine.topk_idx, c.max_tokens, num_experts, None, None, False, False,
-                                         False, False)
+            runtime.low_latency_dispatch(LowLatencyDispatchRequest(
+                mine.x, mine.topk_idx, c.max_tokens, num_experts, None, None, False, False, False, False))
         call_error = str(error.value)
     dist.barrier()
     with pytest.raises(RuntimeError, match="destroy gave up") as error:

@@ -13,8 +13,8 @@ from typing import Callable, Mapping, NamedTuple, Optional
 import torch
 import torch.distributed as dist
 
-from ..config import Config
 from ..handles import DispatchHandle, LowLatencyHandle
+from ..requests import CombineRequest, DispatchRequest, LowLatencyCombineRequest, LowLatencyDispatchRequest
 from ..routing import DispatchLayout
 
 RecvHook = Callable[[], None]
@@ -37,7 +37,7 @@ class LowLatencyDispatchResult(NamedTuple):
 
 
 class CommBackend(ABC):
-    """Moves tokens between the ranks of `group`. Arguments arrive already validated."""
+    """Moves tokens between the ranks of `group`. Requests arrive already validated."""
 
     name: str = "abstract"
 
@@ -45,11 +45,6 @@ class CommBackend(ABC):
         self.group = group
         self.rank = rank
         self.num_ranks = num_ranks
-
-    @staticmethod
-    def supports(tensor: torch.Tensor) -> bool:
-        """Whether this backend can serve an operation on tensors like `tensor`."""
-        return True
 
     @abstractmethod
     def agree(self, op: str, fields: Mapping[str, int], local_error: Optional[Exception], device: torch.device) -> None:
@@ -60,63 +55,23 @@ class CommBackend(ABC):
     def get_dispatch_layout(self, topk_idx: torch.Tensor, num_experts: int) -> DispatchLayout: ...
 
     @abstractmethod
-    def dispatch(
-        self,
-        x: torch.Tensor,
-        x_scales: Optional[torch.Tensor],
-        topk_idx: Optional[torch.Tensor],
-        topk_weights: Optional[torch.Tensor],
-        num_tokens_per_rank: torch.Tensor,
-        is_token_in_rank: torch.Tensor,
-        num_tokens_per_expert: torch.Tensor,
-        expert_alignment: int,
-        num_worst_tokens: int,
-        config: Config,
-    ) -> DispatchResult: ...
+    def dispatch(self, request: DispatchRequest) -> DispatchResult:
+        """A dispatch with its layout (`request.handle` is None)."""
 
     @abstractmethod
-    def cached_dispatch(
-        self, x: torch.Tensor, x_scales: Optional[torch.Tensor], handle: DispatchHandle, config: Config
-    ) -> tuple[torch.Tensor, Optional[torch.Tensor]]: ...
+    def cached_dispatch(self, request: DispatchRequest) -> tuple[torch.Tensor, Optional[torch.Tensor]]:
+        """`(recv_x, recv_x_scales)` of a dispatch along `request.handle`'s layout."""
 
     @abstractmethod
-    def combine(
-        self,
-        x: torch.Tensor,
-        handle: DispatchHandle,
-        topk_weights: Optional[torch.Tensor],
-        bias_0: Optional[torch.Tensor],
-        bias_1: Optional[torch.Tensor],
-        config: Config,
-    ) -> tuple[torch.Tensor, Optional[torch.Tensor]]: ...
+    def combine(self, request: CombineRequest) -> tuple[torch.Tensor, Optional[torch.Tensor]]:
+        """`(combined_x, combined_topk_weights)`."""
 
     @abstractmethod
-    def low_latency_dispatch(
-        self,
-        x: torch.Tensor,
-        topk_idx: torch.Tensor,
-        num_max_dispatch_tokens_per_rank: int,
-        num_experts: int,
-        cumulative_local_expert_recv_stats: Optional[torch.Tensor],
-        dispatch_wait_recv_cost_stats: Optional[torch.Tensor],
-        use_fp8: bool,
-        round_scale: bool,
-        use_ue8m0: bool,
-        return_recv_hook: bool,
-    ) -> tuple[LowLatencyDispatchResult, Optional[RecvHook]]: ...
+    def low_latency_dispatch(self, request: LowLatencyDispatchRequest
+                             ) -> tuple[LowLatencyDispatchResult, Optional[RecvHook]]: ...
 
     @abstractmethod
-    def low_latency_combine(
-        self,
-        x: torch.Tensor,
-        topk_idx: torch.Tensor,
-        topk_weights: torch.Tensor,
-        handle: LowLatencyHandle,
-        zero_copy: bool,
-        return_recv_hook: bool,
-        out: Optional[torch.Tensor],
-        combine_wait_recv_cost_stats: Optional[torch.Tensor],
-    ) -> tuple[torch.Tensor, Optional[RecvHook]]: ...
+    def low_latency_combine(self, request: LowLatencyCombineRequest) -> tuple[torch.Tensor, Optional[RecvHook]]: ...
 
     @abstractmethod
     def get_next_low_latency_combine_buffer(self, handle: LowLatencyHandle) -> torch.Tensor: ...

@@ -3,7 +3,7 @@
 Every rank allocates one NVLink buffer and shares it through a CUDA IPC handle exchanged with a
 tensor all-gather; after that the kernels synchronize among themselves through that memory. Outputs
 are exactly those of the torch backend (docs/semantics.md). Kernels that wait on a peer give up after
-`MOE_EP_TIMEOUT_S` seconds (default 10): the call raises and the Buffer becomes unusable.
+`MOE_EP_TIMEOUT_S` seconds (default 10, see `moe_ep.ops.settings`): the call raises and the Buffer becomes unusable.
 
 A dispatch with `num_worst_tokens > 0` does not wait on the host: the kernels find a too small
 `num_worst_tokens` themselves, move nothing on any rank, and the `ValueError` comes from the next call
@@ -13,21 +13,22 @@ on the Buffer that finds the report, or from `check_errors()`.
 from __future__ import annotations
 
 import functools
-import importlib.util
-import os
+import importlib
 from typing import Mapping, Optional
 
 import torch
 import torch.distributed as dist
 
-from ..config import Config
 from ..handles import DispatchHandle, LowLatencyHandle
-from ..routing import NUM_MAX_NVL_PEERS, DispatchLayout
+from ..requests import CombineRequest, DispatchRequest, LowLatencyCombineRequest, LowLatencyDispatchRequest
+from ..constants import NUM_MAX_NVL_PEERS
+from ..routing import DispatchLayout
+from ..settings import settings
+from . import cuda_extension_available
 from .base import CommBackend, DispatchResult, LowLatencyDispatchResult, RecvHook
 from .collectives import all_gather_bytes
 from .cuda_low_latency import LowLatencyRuntime
-
-_DEFAULT_TIMEOUT_S = 10.0
+from .profile_summary import summarize_profile
 
 
 @functools.cache
@@ -36,52 +37,19 @@ def _ext():
     return importlib.import_module("moe_ep._C")
 
 
-def _ran_and_start(rec: torch.Tensor, col: dict[str, int]) -> tuple[torch.Tensor, Optional[torch.Tensor]]:
-    """Of float64 profile records [C, roles, fields]: which (channel, role) ran, and the earliest start
-    among them (None if none ran)."""
-    ran = rec[..., col["writers"]] > 0
-    return ran, rec[..., col["start"]][ran].min() if bool(ran.any()) else None
-
-
-def channel_placement(records: torch.Tensor, fields: list[str]) -> list[dict]:
-    """Per channel of one kernel's profile records ([C, roles, fields]): the SM its block ran on and
-    when its last role ended (us after the kernel's first role started); channels that did not run
-    are left out. Channels that end late on the same few SMs point at block placement, not protocol."""
-    col = {name: i for i, name in enumerate(fields)}
-    rec = records.to(torch.float64)
-    ran, t0 = _ran_and_start(rec, col)
-    if t0 is None:
-        return []
-    out = []
-    for c in range(rec.shape[0]):
-        if not bool(ran[c].any()):
-            continue
-        roles = rec[c][ran[c]]
-        out.append({"channel": c, "sm": int(roles[0, col["sm"]]),
-                    "end_us": float((roles[:, col["end"]].max() - t0) / 1e3)})
-    return out
-
-
 def is_sm90_compiled() -> bool:
     """Whether `moe_ep._C` holds kernels compiled for Hopper (sm_90)."""
-    return CudaBackend.is_available() and bool(_ext().is_sm90_compiled())
+    return cuda_extension_available() and bool(_ext().is_sm90_compiled())
 
 
 class CudaBackend(CommBackend):
     """Normal-mode dispatch/combine with NVLink kernels; low-latency mode over NVSHMEM (delegated).
 
-    Combine returns the rows either through a staging area in each owner's NVLink buffer, which must
-    hold every rank's returned rows (the rows it dispatched x (hidden + top-k weights) bytes, rounded to
-    128; the kernel falls back to the rings when it does not), or through per-channel rings.
-    `staged_combine`: True = staged when it fits, False = rings, None (default) = staged at the world
-    sizes in `STAGED_COMBINE_WORLDS`, where it was measured faster than the rings
-    (docs/perf-notes-intranode.md, sessions 19-20; 5-8 ranks not measured); it must be the same on
-    every rank (otherwise the combine times out). `last_combine_path()` says which ran.
+    The kernels take `Config.pipeline_lag`, and a combine returns the rows through the staging area or
+    the rings as `Config.combine_path` says; `last_combine_path()` tells which ran.
     """
 
     name = "cuda"
-    STAGED_COMBINE_WORLDS: frozenset[int] = frozenset({2, 3, 4})
-    staged_combine: Optional[bool] = None
 
     def __init__(
         self,
@@ -101,22 +69,12 @@ class CudaBackend(CommBackend):
         self.low_latency_mode = low_latency_mode
         self.explicitly_destroy = explicitly_destroy
         self.device = torch.device("cuda", torch.cuda.current_device())
-        timeout_s = float(os.environ.get("MOE_EP_TIMEOUT_S", _DEFAULT_TIMEOUT_S))
-        self._runtime = _ext().NvlRuntime(rank, num_ranks, num_nvl_bytes, timeout_s)
+        self._runtime = _ext().NvlRuntime(rank, num_ranks, num_nvl_bytes, settings().timeout_s)
         handles = all_gather_bytes(self._runtime.local_handle(), group, num_ranks, self.device)
         self._runtime.open_peers(handles)
         self._low_latency: Optional[LowLatencyRuntime] = None
         if low_latency_mode and num_rdma_bytes > 0:
             self._low_latency = LowLatencyRuntime(group, rank, num_ranks, num_rdma_bytes)
-
-    @staticmethod
-    def is_available() -> bool:
-        """Whether the extension is importable and a CUDA device is visible."""
-        return torch.cuda.is_available() and importlib.util.find_spec("moe_ep._C") is not None
-
-    @staticmethod
-    def supports(tensor: torch.Tensor) -> bool:
-        return tensor.is_cuda
 
     def agree(self, op: str, fields: Mapping[str, int], local_error: Optional[Exception], device: torch.device) -> None:
         # No collective on the hot path: a rank that rejects its input raises here, its peers time out.
@@ -129,51 +87,32 @@ class CudaBackend(CommBackend):
         per_rank, per_expert, in_rank = _ext().get_dispatch_layout(topk_idx, num_experts, self.num_ranks)
         return DispatchLayout(per_rank, None, per_expert, in_rank)
 
-    def dispatch(
-        self,
-        x: torch.Tensor,
-        x_scales: Optional[torch.Tensor],
-        topk_idx: Optional[torch.Tensor],
-        topk_weights: Optional[torch.Tensor],
-        num_tokens_per_rank: torch.Tensor,
-        is_token_in_rank: torch.Tensor,
-        num_tokens_per_expert: torch.Tensor,
-        expert_alignment: int,
-        num_worst_tokens: int,
-        config: Config,
-    ) -> DispatchResult:
+    def dispatch(self, request: DispatchRequest) -> DispatchResult:
+        r, config = request, request.config
         (recv_x, recv_scales, recv_topk_idx, recv_topk_weights, per_expert, rank_prefix, channel_prefix,
          recv_channel_prefix, recv_src_idx, send_head) = _ext().dispatch(
-            self._runtime, x, x_scales, topk_idx, topk_weights, num_tokens_per_rank, is_token_in_rank,
-            num_tokens_per_expert, expert_alignment, num_worst_tokens, config.num_sms,
-            config.num_max_nvl_chunked_send_tokens, config.num_max_nvl_chunked_recv_tokens)
-        handle = DispatchHandle(rank_prefix, channel_prefix, recv_channel_prefix, recv_src_idx, is_token_in_rank,
+            self._runtime, r.x, r.x_scales, r.topk_idx, r.topk_weights, r.num_tokens_per_rank, r.is_token_in_rank,
+            r.num_tokens_per_expert, r.expert_alignment, r.num_worst_tokens, config.num_sms,
+            config.num_max_nvl_chunked_send_tokens, config.num_max_nvl_chunked_recv_tokens, config.pipeline_lag)
+        handle = DispatchHandle(rank_prefix, channel_prefix, recv_channel_prefix, recv_src_idx, r.is_token_in_rank,
                                 send_head)
         return DispatchResult(recv_x, recv_scales, recv_topk_idx, recv_topk_weights, list(per_expert), handle)
 
-    def cached_dispatch(
-        self, x: torch.Tensor, x_scales: Optional[torch.Tensor], handle: DispatchHandle, config: Config
-    ) -> tuple[torch.Tensor, Optional[torch.Tensor]]:
+    def cached_dispatch(self, request: DispatchRequest) -> tuple[torch.Tensor, Optional[torch.Tensor]]:
+        handle, config = request.handle, request.config
         recv_x, recv_scales = _ext().cached_dispatch(
-            self._runtime, x, x_scales, handle.rank_prefix_matrix, handle.channel_prefix_matrix,
+            self._runtime, request.x, request.x_scales, handle.rank_prefix_matrix, handle.channel_prefix_matrix,
             handle.recv_channel_prefix_matrix, handle.is_token_in_rank, handle.recv_src_idx.numel(),
-            config.num_max_nvl_chunked_send_tokens, config.num_max_nvl_chunked_recv_tokens)
+            config.num_max_nvl_chunked_send_tokens, config.num_max_nvl_chunked_recv_tokens, config.pipeline_lag)
         return recv_x, recv_scales
 
-    def combine(
-        self,
-        x: torch.Tensor,
-        handle: DispatchHandle,
-        topk_weights: Optional[torch.Tensor],
-        bias_0: Optional[torch.Tensor],
-        bias_1: Optional[torch.Tensor],
-        config: Config,
-    ) -> tuple[torch.Tensor, Optional[torch.Tensor]]:
+    def combine(self, request: CombineRequest) -> tuple[torch.Tensor, Optional[torch.Tensor]]:
+        handle, config = request.handle, request.config
         combined, combined_weights = _ext().combine(
-            self._runtime, x, topk_weights, bias_0, bias_1, handle.rank_prefix_matrix, handle.channel_prefix_matrix,
-            handle.recv_channel_prefix_matrix, handle.is_token_in_rank, handle.send_head,
+            self._runtime, request.x, request.topk_weights, request.bias_0, request.bias_1, handle.rank_prefix_matrix,
+            handle.channel_prefix_matrix, handle.recv_channel_prefix_matrix, handle.is_token_in_rank, handle.send_head,
             config.num_max_nvl_chunked_send_tokens, config.num_max_nvl_chunked_recv_tokens,
-            self.num_ranks in self.STAGED_COMBINE_WORLDS if self.staged_combine is None else self.staged_combine)
+            config.combines_staged(self.num_ranks), config.pipeline_lag)
         return combined, combined_weights
 
     def last_combine_path(self) -> Optional[str]:
@@ -192,65 +131,10 @@ class CudaBackend(CommBackend):
             self._low_latency.check_usable()
 
     def profile(self) -> Optional[dict]:
-        """Per-phase timing of this rank's last dispatch and combine kernels, or None unless `moe_ep._C`
-        was built with `MOE_EP_PROFILE=1`. Waits for the device.
-
-        For each kernel: `kernel_us` (first role start to last role end, all channels) and per role
-        (warp or warp group, see csrc/kernels/api.cuh `prof`) the mean and max over channels of:
-        start/first/end (us after the kernel's first role started), span (end - start), the time
-        spent waiting inside the block (wait_stage), on peers (wait_remote), issuing copies (copy),
-        waiting for bulk copies (copy_wait), publishing tails/heads (publish), loading routing
-        metadata (meta), the rest (other), and the counts items / wait_events. Durations of a warp
-        group (the combine reducer) are per warp. `channels`: each channel's SM and end
-        (`channel_placement`). `raw` keeps the records ([C, roles, fields] int64).
-        """
+        """Per-phase timing of this rank's last dispatch and combine kernels (`summarize_profile`), or
+        None unless `moe_ep._C` was built with `MOE_EP_PROFILE=1`. Waits for the device."""
         last_profile = getattr(_ext(), "last_profile", None)
-        if last_profile is None:
-            return None
-        data = last_profile(self._runtime)
-        fields = list(data["fields"])
-        col = {name: i for i, name in enumerate(fields)}
-        durations = ("wait_stage", "wait_remote", "copy", "copy_wait", "publish", "meta")
-        out: dict = {"rank": data["rank"], "host_notify_wait_us": data["host_notify_wait_us"], "fields": fields}
-        for kernel in ("dispatch", "combine"):
-            info = data[kernel]
-            rec = info["records"].to(torch.float64)  # [C, roles, fields]
-            summary: dict = {"num_channels": info["num_channels"], "roles": {}, "raw": info["records"].tolist()}
-            ran, t0 = _ran_and_start(rec, col)
-            if info["num_channels"] == 0 or t0 is None:
-                out[kernel] = summary
-                continue
-            summary["kernel_us"] = float((rec[..., col["end"]][ran].max() - t0) / 1e3)
-            summary["channels"] = channel_placement(info["records"], fields)
-            for r, role in enumerate(info["roles"]):
-                mask = ran[:, r]
-                if not bool(mask.any()):
-                    continue
-                v = rec[mask, r]  # [channels that ran this role, fields]
-                writers = v[:, col["writers"]]
-                row: dict = {"channels": int(mask.sum()), "warps": int(writers.max())}
-                per_channel = {
-                    "start_us": (v[:, col["start"]] - t0) / 1e3,
-                    "first_us": torch.where(v[:, col["first"]] > 0, (v[:, col["first"]] - t0) / 1e3,
-                                            torch.full_like(writers, float("nan"))),
-                    "end_us": (v[:, col["end"]] - t0) / 1e3,
-                    "span_us": (v[:, col["end"]] - v[:, col["start"]]) / 1e3,
-                }
-                busy = torch.zeros_like(writers)
-                for name in durations:
-                    per_warp = v[:, col[name]] / writers / 1e3
-                    per_channel[f"{name}_us"] = per_warp
-                    busy += per_warp
-                per_channel["other_us"] = per_channel["span_us"] - busy
-                per_channel["items"] = v[:, col["items"]]
-                per_channel["wait_events"] = v[:, col["wait_events"]]
-                for name, values in per_channel.items():
-                    finite = values[~values.isnan()]
-                    row[name] = {"mean": float(finite.mean()) if finite.numel() else None,
-                                 "max": float(finite.max()) if finite.numel() else None}
-                summary["roles"][role] = row
-            out[kernel] = summary
-        return out
+        return None if last_profile is None else summarize_profile(last_profile(self._runtime))
 
     # ------------------------------------------------------------------ low-latency mode
 
@@ -260,11 +144,12 @@ class CudaBackend(CommBackend):
                              "(num_rdma_bytes >= Buffer.get_low_latency_rdma_size_hint(...))")
         return self._low_latency
 
-    def low_latency_dispatch(self, *args, **kwargs) -> tuple[LowLatencyDispatchResult, Optional[RecvHook]]:
-        return self._low_latency_runtime().low_latency_dispatch(*args, **kwargs)
+    def low_latency_dispatch(self, request: LowLatencyDispatchRequest
+                             ) -> tuple[LowLatencyDispatchResult, Optional[RecvHook]]:
+        return self._low_latency_runtime().low_latency_dispatch(request)
 
-    def low_latency_combine(self, *args, **kwargs) -> tuple[torch.Tensor, Optional[RecvHook]]:
-        return self._low_latency_runtime().low_latency_combine(*args, **kwargs)
+    def low_latency_combine(self, request: LowLatencyCombineRequest) -> tuple[torch.Tensor, Optional[RecvHook]]:
+        return self._low_latency_runtime().low_latency_combine(request)
 
     def get_next_low_latency_combine_buffer(self, handle: LowLatencyHandle) -> torch.Tensor:
         return self._low_latency_runtime().get_next_low_latency_combine_buffer(handle)

@@ -12,7 +12,7 @@ Differences from the torch backend that the semantics allow: rows of `recv_x` pa
 their `src_info` are left as they were; messages are packed source-major in token order, so the rows,
 `layout_range` and `src_info` of received messages match the torch backend exactly.
 
-Protocol rules the kernels rely on (see csrc/kernels/low_latency.cuh):
+Protocol rules the kernels rely on (see csrc/low_latency/):
 * Receive phases run in the order of their send phases, and at most two operations are in flight
   (sent, not yet received: the buffer has two halves). A hook called out of order first completes the
   older pending receives; an operation that would exceed two in flight, or one without a hook, first
@@ -23,8 +23,8 @@ Protocol rules the kernels rely on (see csrc/kernels/low_latency.cuh):
 * A combine's send phase waits for its peers' send phase of the same operation (each rank sends the
   top-k ids and weights of its tokens to the ranks that reduce them), which the same sequence on every
   rank provides; its `topk_idx` must route the tokens as the dispatch behind the handle did.
-A kernel that waits more than `MOE_EP_TIMEOUT_S` seconds (default 10) for a peer reports an error;
-the next call raises and the runtime stays unusable.
+A kernel that waits more than `MOE_EP_TIMEOUT_S` seconds (default 10, see `moe_ep.ops.settings`) for a
+peer reports an error; the next call raises and the runtime stays unusable.
 """
 
 from __future__ import annotations
@@ -42,19 +42,19 @@ import torch.distributed as dist
 
 from .. import fp8
 from ..handles import LowLatencyHandle
+from ..requests import LowLatencyCombineRequest, LowLatencyDispatchRequest
 from ..routing import ceil_div
+from ..settings import settings
 from .base import LowLatencyDispatchResult, RecvHook
 from .collectives import all_gather_bytes, broadcast_bytes
 
 _SEND, _RECV = 1, 2
 _MAX_IN_FLIGHT = 2  # operations sent but not yet received: one per half of the buffer
-_DEFAULT_TIMEOUT_S = 10.0
 # Global ranks of the group NVSHMEM joined this process with (NVSHMEM initialises once per process).
 _nvshmem_members: Optional[tuple[int, ...]] = None
 # Transport -> module. "nvshmem_puts": the relocatable module sending to every peer through NVSHMEM puts
 # even where NVSHMEM maps it, so that one node runs the path that peers without P2P take.
 _MODULES = {"nvshmem": "moe_ep._low_latency", "p2p": "moe_ep._low_latency_p2p", "nvshmem_puts": "moe_ep._low_latency"}
-_TRANSPORT_ENV = "MOE_EP_LOW_LATENCY_TRANSPORT"
 # The low-latency module of this process, chosen when NVSHMEM joins it (`_choose_transport`).
 _transport = "nvshmem"
 
@@ -83,11 +83,9 @@ def _choose_transport(group: dist.ProcessGroup, num_ranks: int, device: torch.de
     "p2p" (`moe_ep._low_latency_p2p`: whole-program kernels writing every peer with direct stores) when
     the group is on one host and its GPUs have peer access to each other; "nvshmem" (relocatable kernels,
     NVSHMEM puts for peers without P2P) otherwise. `MOE_EP_LOW_LATENCY_TRANSPORT=p2p|nvshmem|nvshmem_puts`
-    overrides.
+    overrides (`moe_ep.ops.settings`).
     """
-    forced = os.environ.get(_TRANSPORT_ENV, "auto")
-    if forced not in ("auto", *_MODULES):
-        raise ValueError(f"{_TRANSPORT_ENV}: expected auto, p2p, nvshmem or nvshmem_puts, got {forced!r}")
+    forced = settings().low_latency_transport
     host = zlib.crc32(socket.gethostname().encode()).to_bytes(4, "little")
     records = all_gather_bytes(host + device.index.to_bytes(4, "little"), group, num_ranks, device)
     single_host = len({record[:4] for record in records}) == 1
@@ -111,6 +109,8 @@ def _init_nvshmem(group: dist.ProcessGroup, rank: int, num_ranks: int, device: t
         return
     # NVLink SHArP (multicast) stays off: it can take down GPUs shared with others. Without another
     # host in the group no remote transport is needed, which also skips probing for InfiniBand.
+    # NVSHMEM takes both settings from the environment only, read by its init below: this is the one
+    # place the library writes the process environment (setdefault: a user's own choice stands).
     os.environ.setdefault("NVSHMEM_DISABLE_NVLS", "1")
     single_host, _transport = _choose_transport(group, num_ranks, device)
     if single_host:
@@ -149,7 +149,7 @@ class LowLatencyRuntime:
         self.group, self.rank, self.num_ranks = group, rank, num_ranks
         self.device = torch.device("cuda", torch.cuda.current_device())
         if timeout_s is None:
-            timeout_s = float(os.environ.get("MOE_EP_TIMEOUT_S", _DEFAULT_TIMEOUT_S))
+            timeout_s = settings().timeout_s
         _init_nvshmem(group, rank, num_ranks, self.device)
         # NVSHMEM's symmetric allocation is collective with no timeout; a rank that never creates its
         # Buffer must fail the others here, through the process group's timeout, instead.
@@ -190,68 +190,49 @@ class LowLatencyRuntime:
         self._in_flight.append(hook)
         return hook
 
-    def low_latency_dispatch(
-        self,
-        x: torch.Tensor,
-        topk_idx: torch.Tensor,
-        num_max_dispatch_tokens_per_rank: int,
-        num_experts: int,
-        cumulative_local_expert_recv_stats: Optional[torch.Tensor],
-        dispatch_wait_recv_cost_stats: Optional[torch.Tensor],
-        use_fp8: bool,
-        round_scale: bool,
-        use_ue8m0: bool,
-        return_recv_hook: bool,
-    ) -> tuple[LowLatencyDispatchResult, Optional[RecvHook]]:
-        max_tokens, hidden = num_max_dispatch_tokens_per_rank, x.size(1)
-        num_local, slots = num_experts // self.num_ranks, self.num_ranks * num_max_dispatch_tokens_per_rank
-        device = x.device
+    def low_latency_dispatch(self, request: LowLatencyDispatchRequest
+                             ) -> tuple[LowLatencyDispatchResult, Optional[RecvHook]]:
+        r = request
+        max_tokens, hidden, num_experts = r.num_max_dispatch_tokens_per_rank, r.x.size(1), r.num_experts
+        num_local, slots = num_experts // self.num_ranks, self.num_ranks * max_tokens
+        device = r.x.device
         recv_scales = None
-        if use_fp8:
+        if r.use_fp8:
             recv_x = torch.empty(num_local, slots, hidden, dtype=fp8.FP8_DTYPE, device=device)
-            if use_ue8m0:
+            if r.use_ue8m0:
                 groups = ceil_div(hidden, fp8.BLOCK * fp8.UE8M0_PER_INT32)
                 recv_scales = torch.empty(num_local, groups, slots, dtype=torch.int32, device=device).transpose(1, 2)
             else:
                 recv_scales = torch.empty(num_local, hidden // fp8.BLOCK, slots, dtype=torch.float32,
                                           device=device).transpose(1, 2)
         else:
-            recv_x = torch.empty(num_local, slots, hidden, dtype=x.dtype, device=device)
+            recv_x = torch.empty(num_local, slots, hidden, dtype=r.x.dtype, device=device)
         src_info = torch.empty(num_local, slots, dtype=torch.int32, device=device)
         layout_range = torch.empty(num_local, self.num_ranks, dtype=torch.int64, device=device)
         recv_count = torch.empty(num_local, dtype=torch.int32, device=device)
-        mode = (2 if use_ue8m0 else 1) if use_fp8 else 0
+        mode = (2 if r.use_ue8m0 else 1) if r.use_fp8 else 0
 
         def launch(phases: int) -> None:
-            _ext().ll_dispatch(self._runtime, x, topk_idx, recv_x, recv_scales, src_info, layout_range, recv_count,
-                               cumulative_local_expert_recv_stats, dispatch_wait_recv_cost_stats, max_tokens,
-                               num_experts, mode, round_scale, phases)
+            _ext().ll_dispatch(self._runtime, r.x, r.topk_idx, recv_x, recv_scales, src_info, layout_range, recv_count,
+                               r.cumulative_local_expert_recv_stats, r.dispatch_wait_recv_cost_stats, max_tokens,
+                               num_experts, mode, r.round_scale, phases)
 
-        hook = self._run((max_tokens, hidden, num_experts), launch, return_recv_hook)
+        hook = self._run((max_tokens, hidden, num_experts), launch, r.return_recv_hook)
         handle = LowLatencyHandle(src_info, layout_range, max_tokens, hidden, num_experts)
         return LowLatencyDispatchResult(recv_x, recv_scales, recv_count, handle), hook
 
-    def low_latency_combine(
-        self,
-        x: torch.Tensor,
-        topk_idx: torch.Tensor,
-        topk_weights: torch.Tensor,
-        handle: LowLatencyHandle,
-        zero_copy: bool,
-        return_recv_hook: bool,
-        out: Optional[torch.Tensor],
-        combine_wait_recv_cost_stats: Optional[torch.Tensor],
-    ) -> tuple[torch.Tensor, Optional[RecvHook]]:
-        combined = out if out is not None else torch.empty(topk_idx.size(0), handle.hidden, dtype=torch.bfloat16,
-                                                           device=topk_idx.device)
+    def low_latency_combine(self, request: LowLatencyCombineRequest) -> tuple[torch.Tensor, Optional[RecvHook]]:
+        r, handle = request, request.handle
+        combined = r.out if r.out is not None else torch.empty(r.topk_idx.size(0), handle.hidden, dtype=torch.bfloat16,
+                                                               device=r.topk_idx.device)
 
         def launch(phases: int) -> None:
-            _ext().ll_combine(self._runtime, x, zero_copy, handle.src_info, handle.layout_range, topk_idx,
-                              topk_weights, combined, combine_wait_recv_cost_stats,
+            _ext().ll_combine(self._runtime, r.x, r.zero_copy, handle.src_info, handle.layout_range, r.topk_idx,
+                              r.topk_weights, combined, r.combine_wait_recv_cost_stats,
                               handle.num_max_dispatch_tokens_per_rank, handle.hidden, handle.num_experts, phases)
 
         sizes = (handle.num_max_dispatch_tokens_per_rank, handle.hidden, handle.num_experts)
-        return combined, self._run(sizes, launch, return_recv_hook)
+        return combined, self._run(sizes, launch, r.return_recv_hook)
 
     def get_next_low_latency_combine_buffer(self, handle: LowLatencyHandle) -> torch.Tensor:
         """The send region as `[E_local, R*max, H]` bf16; a zero-copy combine sends from it."""

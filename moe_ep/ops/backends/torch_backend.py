@@ -15,8 +15,8 @@ import torch
 import torch.distributed as dist
 
 from .. import fp8, routing
-from ..config import Config
 from ..handles import DispatchHandle, LowLatencyHandle
+from ..requests import CombineRequest, DispatchRequest, LowLatencyCombineRequest, LowLatencyDispatchRequest
 from ..routing import DispatchLayout
 from ..validation import PeerInputError
 from .base import CommBackend, DispatchResult, LowLatencyDispatchResult, RecvHook
@@ -117,29 +117,19 @@ class TorchBackend(CommBackend):
     def get_dispatch_layout(self, topk_idx: torch.Tensor, num_experts: int) -> DispatchLayout:
         return routing.dispatch_layout(topk_idx, num_experts, self.num_ranks)
 
-    def dispatch(
-        self,
-        x: torch.Tensor,
-        x_scales: Optional[torch.Tensor],
-        topk_idx: Optional[torch.Tensor],
-        topk_weights: Optional[torch.Tensor],
-        num_tokens_per_rank: torch.Tensor,
-        is_token_in_rank: torch.Tensor,
-        num_tokens_per_expert: torch.Tensor,
-        expert_alignment: int,
-        num_worst_tokens: int,
-        config: Config,
-    ) -> DispatchResult:
+    def dispatch(self, request: DispatchRequest) -> DispatchResult:
+        x, x_scales, topk_idx, topk_weights = request.x, request.x_scales, request.topk_idx, request.topk_weights
+        is_token_in_rank, num_worst_tokens = request.is_token_in_rank, request.num_worst_tokens
         num_ranks, rank, device = self.num_ranks, self.rank, x.device
-        num_experts = num_tokens_per_expert.numel()
+        num_experts = request.num_experts
         num_local = num_experts // num_ranks
-        num_channels = config.num_channels
+        num_channels = request.config.num_channels
         channel_prefix = routing.channel_prefix_matrix(is_token_in_rank, num_channels)
 
         # Notify: every rank learns all send counts, expert counts, channel prefixes and receive bounds.
         header = torch.cat([
-            num_tokens_per_rank.to(device=device, dtype=torch.int64),
-            num_tokens_per_expert.to(device=device, dtype=torch.int64),
+            request.num_tokens_per_rank.to(device=device, dtype=torch.int64),
+            request.num_tokens_per_expert.to(device=device, dtype=torch.int64),
             channel_prefix.to(device=device, dtype=torch.int64).reshape(-1),
             torch.tensor([num_worst_tokens], dtype=torch.int64, device=device),
         ])
@@ -185,7 +175,7 @@ class TorchBackend(CommBackend):
         per_expert = []
         if num_worst_tokens == 0:
             local_counts = expert_counts[:, rank * num_local:(rank + 1) * num_local]
-            per_expert = routing.recv_tokens_per_expert(local_counts, expert_alignment).tolist()
+            per_expert = routing.recv_tokens_per_expert(local_counts, request.expert_alignment).tolist()
         return DispatchResult(recv_x, recv_x_scales, recv_topk_idx, recv_topk_weights, per_expert, handle)
 
     def _check_worst_tokens(self, recv_per_rank: list[int], worst_per_rank: list[int]) -> None:
@@ -194,9 +184,8 @@ class TorchBackend(CommBackend):
             detail = ", ".join(f"rank {r} receives {n} > {w}" for r, n, w in over)
             raise ValueError(f"num_worst_tokens: too small, no data would fit ({detail})")
 
-    def cached_dispatch(
-        self, x: torch.Tensor, x_scales: Optional[torch.Tensor], handle: DispatchHandle, config: Config
-    ) -> tuple[torch.Tensor, Optional[torch.Tensor]]:
+    def cached_dispatch(self, request: DispatchRequest) -> tuple[torch.Tensor, Optional[torch.Tensor]]:
+        x, x_scales, handle = request.x, request.x_scales, request.handle
         send_counts, recv_counts = _handle_counts(handle, self.rank)
         _, token = routing.send_order(handle.is_token_in_rank)
         payload = [x] + ([x_scales] if x_scales is not None else [])
@@ -207,15 +196,8 @@ class TorchBackend(CommBackend):
         recv_scales = _pad_rows(received[1], num_rows, 0) if x_scales is not None else None
         return _pad_rows(received[0], num_rows, 0), recv_scales
 
-    def combine(
-        self,
-        x: torch.Tensor,
-        handle: DispatchHandle,
-        topk_weights: Optional[torch.Tensor],
-        bias_0: Optional[torch.Tensor],
-        bias_1: Optional[torch.Tensor],
-        config: Config,
-    ) -> tuple[torch.Tensor, Optional[torch.Tensor]]:
+    def combine(self, request: CombineRequest) -> tuple[torch.Tensor, Optional[torch.Tensor]]:
+        x, handle, topk_weights = request.x, request.handle, request.topk_weights
         # Every row goes back to its source, which receives from each rank the rows it sent there.
         to_source, from_ranks = _handle_counts(handle, self.rank)
         num_real = sum(from_ranks)
@@ -228,7 +210,7 @@ class TorchBackend(CommBackend):
         dest, token = routing.send_order(handle.is_token_in_rank)
         acc_dtype = torch.float64 if x.dtype == torch.float64 else torch.float32
         combined = torch.zeros(num_tokens, x.size(1), dtype=acc_dtype, device=x.device)
-        for bias in (bias_0, bias_1):
+        for bias in (request.bias_0, request.bias_1):
             if bias is not None:
                 combined += bias.to(acc_dtype)
         combined = _sum_in_rank_order(combined, back[0], dest, token, self.num_ranks)
@@ -240,31 +222,21 @@ class TorchBackend(CommBackend):
 
     # ------------------------------------------------------------------ low-latency mode
 
-    def low_latency_dispatch(
-        self,
-        x: torch.Tensor,
-        topk_idx: torch.Tensor,
-        num_max_dispatch_tokens_per_rank: int,
-        num_experts: int,
-        cumulative_local_expert_recv_stats: Optional[torch.Tensor],
-        dispatch_wait_recv_cost_stats: Optional[torch.Tensor],
-        use_fp8: bool,
-        round_scale: bool,
-        use_ue8m0: bool,
-        return_recv_hook: bool,
-    ) -> tuple[LowLatencyDispatchResult, Optional[RecvHook]]:
+    def low_latency_dispatch(self, request: LowLatencyDispatchRequest
+                             ) -> tuple[LowLatencyDispatchResult, Optional[RecvHook]]:
+        x, num_experts, use_fp8, use_ue8m0 = request.x, request.num_experts, request.use_fp8, request.use_ue8m0
         num_ranks, rank, device = self.num_ranks, self.rank, x.device
         num_local = num_experts // num_ranks
-        slots = num_ranks * num_max_dispatch_tokens_per_rank
+        slots = num_ranks * request.num_max_dispatch_tokens_per_rank
         hidden = x.size(1)
 
-        pairs = routing.expert_major_pairs(topk_idx, num_experts)
+        pairs = routing.expert_major_pairs(request.topk_idx, num_experts)
         table = self._all_gather_rows(pairs.count_per_expert)  # [R_src, E]
         counts = table[:, rank * num_local:(rank + 1) * num_local]  # [R_src, E_local]
         send_counts = pairs.count_per_expert.view(num_ranks, num_local).sum(1).tolist()
         recv_counts = counts.sum(1).tolist()
 
-        payload = list(fp8.per_token_cast_to_fp8(x, round_scale, use_ue8m0)) if use_fp8 else [x]
+        payload = list(fp8.per_token_cast_to_fp8(x, request.round_scale, use_ue8m0)) if use_fp8 else [x]
         payload.append(torch.arange(x.size(0), dtype=torch.int32, device=device))
         codec = _RowCodec.like(payload)
         recv_rows, work = self._all_to_all(codec.pack(payload, pairs.token), send_counts, recv_counts, async_op=True)
@@ -280,39 +252,30 @@ class TorchBackend(CommBackend):
         rows, begin = routing.packed_row_index(counts, slots)
         layout_range = routing.pack_layout_range(counts.t(), begin)
         recv_count = counts.sum(0).to(torch.int32)
-        if cumulative_local_expert_recv_stats is not None:
-            cumulative_local_expert_recv_stats += recv_count
+        if request.cumulative_local_expert_recv_stats is not None:
+            request.cumulative_local_expert_recv_stats.add_(recv_count)
 
         def receive() -> None:
             started = time.perf_counter_ns()
             work.wait()
-            if dispatch_wait_recv_cost_stats is not None:
-                _add_wait_time(dispatch_wait_recv_cost_stats, recv_counts, time.perf_counter_ns() - started)
+            if request.dispatch_wait_recv_cost_stats is not None:
+                _add_wait_time(request.dispatch_wait_recv_cost_stats, recv_counts, time.perf_counter_ns() - started)
             received = codec.unpack(recv_rows)
             recv_x.view(torch.uint8).view(-1, received[0].element_size() * hidden)[rows] = _as_bytes(received[0])
             if recv_scales is not None:
                 recv_scales[rows // slots, rows % slots] = received[1]
             src_info.view(-1)[rows] = received[-1]
 
-        handle = LowLatencyHandle(src_info, layout_range, num_max_dispatch_tokens_per_rank, hidden, num_experts)
+        handle = LowLatencyHandle(src_info, layout_range, request.num_max_dispatch_tokens_per_rank, hidden, num_experts)
         result = LowLatencyDispatchResult(recv_x, recv_scales, recv_count, handle)
-        if return_recv_hook:
+        if request.return_recv_hook:
             return result, receive
         receive()
         return result, None
 
-    def low_latency_combine(
-        self,
-        x: torch.Tensor,
-        topk_idx: torch.Tensor,
-        topk_weights: torch.Tensor,
-        handle: LowLatencyHandle,
-        zero_copy: bool,
-        return_recv_hook: bool,
-        out: Optional[torch.Tensor],
-        combine_wait_recv_cost_stats: Optional[torch.Tensor],
-    ) -> tuple[torch.Tensor, Optional[RecvHook]]:
-        if zero_copy:
+    def low_latency_combine(self, request: LowLatencyCombineRequest) -> tuple[torch.Tensor, Optional[RecvHook]]:
+        x, topk_idx, topk_weights, handle = request.x, request.topk_idx, request.topk_weights, request.handle
+        if request.zero_copy:
             x = self.get_next_low_latency_combine_buffer(handle)
         slots = self.num_ranks * handle.num_max_dispatch_tokens_per_rank
         rows, back_counts = routing.gather_rows_by_layout(handle.layout_range, slots)
@@ -323,7 +286,8 @@ class TorchBackend(CommBackend):
         expert_out, work = self._all_to_all(_as_bytes(send), back_counts.tolist(), recv_counts, async_op=True)
 
         num_tokens, num_topk = topk_idx.shape
-        combined = out if out is not None else torch.empty(num_tokens, x.size(-1), dtype=x.dtype, device=x.device)
+        combined = request.out if request.out is not None else torch.empty(num_tokens, x.size(-1), dtype=x.dtype,
+                                                                           device=x.device)
         pair_of_slot = torch.full((num_tokens, num_topk), -1, dtype=torch.int64, device=x.device)
         pair_of_slot[pairs.token, pairs.slot] = torch.arange(pairs.token.numel(), device=x.device)
         rank_of_slot = topk_idx.div(num_local, rounding_mode="floor")
@@ -332,8 +296,8 @@ class TorchBackend(CommBackend):
         def receive() -> None:
             started = time.perf_counter_ns()
             work.wait()
-            if combine_wait_recv_cost_stats is not None:
-                _add_wait_time(combine_wait_recv_cost_stats, recv_counts, time.perf_counter_ns() - started)
+            if request.combine_wait_recv_cost_stats is not None:
+                _add_wait_time(request.combine_wait_recv_cost_stats, recv_counts, time.perf_counter_ns() - started)
             y = expert_out.view(x.dtype).view(-1, x.size(-1)).float()
             # Partial sums per (expert rank, token) in slot order (float32, multiply and add rounded
             # separately), rounded to BF16 as the rank holding the experts sends them; then the sum of the
@@ -349,7 +313,7 @@ class TorchBackend(CommBackend):
                 acc += partial[rank].float()
             combined.copy_(acc)
 
-        if return_recv_hook:
+        if request.return_recv_hook:
             return combined, receive
         receive()
         return combined, None

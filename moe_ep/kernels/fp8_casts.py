@@ -30,7 +30,8 @@ import triton
 import triton.language as tl
 
 from ..ops.fp8 import AMAX_FLOOR, BLOCK, FP8_DTYPE, FP8_MAX, padded_columns_bound
-from . import fp8_cuda
+from .fp8_backend import aligned_rows, cuda_kernels_run
+from .loaders import fp8_extension, interpreted
 
 _AMAX_FLOOR = tl.constexpr(AMAX_FLOOR)
 _FP8_MAX = tl.constexpr(FP8_MAX)
@@ -57,6 +58,11 @@ def _snap_to_e4m3_grid(v):
     inverse = ((254 - spacing_exponent) << 23).to(tl.float32, bitcast=True)
     magnitude = ((tl.abs(v) * inverse + 12582912.0) - 12582912.0) * spacing
     return tl.where(bits < 0, -magnitude, magnitude)
+
+
+INTERPRETED = interpreted(_snap_to_e4m3_grid)
+"""Whether this module's kernels run in Triton's interpreter, whose float conversions are snapped
+onto the right values first (`SNAP`)."""
 
 
 @triton.jit
@@ -136,7 +142,7 @@ def per_token_cast_to_fp8(x: torch.Tensor) -> FP8Rows:
     if num_rows:
         _per_token_kernel[_row_grid(num_rows, depth)](
             rows, q, scales, num_rows, *rows.stride(), q.stride(0), *scales.stride(),
-            BLOCK_R=_ROWS_PER_PROGRAM, BLOCK_K=BLOCK, SNAP=fp8_cuda.TRITON_INTERPRETED, num_warps=4,
+            BLOCK_R=_ROWS_PER_PROGRAM, BLOCK_K=BLOCK, SNAP=INTERPRETED, num_warps=4,
         )
     return q.view(x.shape), scales.unflatten(0, x.shape[:-1])
 
@@ -188,7 +194,7 @@ def per_token_cast_back(q: torch.Tensor, scales: torch.Tensor, dtype: torch.dtyp
     if rows.size(0):
         _per_token_back_kernel[_row_grid(*rows.shape)](
             rows, row_scales, out, rows.size(0), *rows.stride(), *row_scales.stride(), out.stride(0),
-            BLOCK_R=_ROWS_PER_PROGRAM, BLOCK_K=BLOCK, SNAP=fp8_cuda.TRITON_INTERPRETED, num_warps=4,
+            BLOCK_R=_ROWS_PER_PROGRAM, BLOCK_K=BLOCK, SNAP=INTERPRETED, num_warps=4,
         )
     return out.view(q.shape)
 
@@ -215,7 +221,7 @@ def swiglu_to_fp8(z: torch.Tensor) -> FP8Rows:
     if num_rows:
         _swiglu_kernel[_row_grid(num_rows, width)](
             z, q, scales, num_rows, width, z.stride(0), q.stride(0), *scales.stride(),
-            BLOCK_R=_ROWS_PER_PROGRAM, BLOCK_K=BLOCK, SNAP=fp8_cuda.TRITON_INTERPRETED, num_warps=4,
+            BLOCK_R=_ROWS_PER_PROGRAM, BLOCK_K=BLOCK, SNAP=INTERPRETED, num_warps=4,
         )
     return q, scales
 
@@ -259,7 +265,7 @@ def swiglu_backward_to_fp8(z: torch.Tensor, grad: torch.Tensor) -> tuple[torch.T
         _swiglu_backward_kernel[_row_grid(num_rows, width)](
             z, grad, grad_z, q, scales, num_rows, width,
             z.stride(0), grad.stride(0), grad_z.stride(0), q.stride(0), *scales.stride(),
-            BLOCK_R=_ROWS_PER_PROGRAM, BLOCK_K=BLOCK, SNAP=fp8_cuda.TRITON_INTERPRETED, num_warps=4,
+            BLOCK_R=_ROWS_PER_PROGRAM, BLOCK_K=BLOCK, SNAP=INTERPRETED, num_warps=4,
         )
     return grad_z, (q, scales)
 
@@ -331,7 +337,7 @@ def per_column_segments_cast_to_fp8(x: torch.Tensor, x_scales: torch.Tensor | No
         x, x_scales, q, scales, starts, counts, padded_ends, num_experts,
         *x.stride(), *x_scale_strides, q.stride(0), *scales.stride(),
         FP8_INPUT=x_scales is not None, BLOCK_SCALES=block_scales, E_POW2=triton.next_power_of_2(num_experts),
-        BLOCK_C=BLOCK, SNAP=fp8_cuda.TRITON_INTERPRETED, num_warps=8,
+        BLOCK_C=BLOCK, SNAP=INTERPRETED, num_warps=8,
     )
     return q, scales
 
@@ -364,7 +370,7 @@ def cuda_weight_cast_runs(w: torch.Tensor) -> bool:
     """Whether `per_block_cast_to_fp8_with_transpose(w)` runs the CUDA kernel of `moe_ep._fp8`:
     BF16 `[..., N, K]` with N and K multiples of 128, K contiguous, 16-byte aligned rows."""
     return (w.dtype == torch.bfloat16 and w.dim() >= 2 and w.size(-2) % BLOCK == 0 and w.size(-1) % BLOCK == 0
-            and fp8_cuda.runs_on(w) and fp8_cuda.aligned_rows(w))
+            and cuda_kernels_run(w) and aligned_rows(w))
 
 
 def per_block_cast_to_fp8_with_transpose(w: torch.Tensor, *, backend: Literal["auto", "cuda", "triton"] = "auto",
@@ -386,20 +392,20 @@ def per_block_cast_to_fp8_with_transpose(w: torch.Tensor, *, backend: Literal["a
         raise RuntimeError("backend='cuda': the moe_ep._fp8 weight cast cannot run here (it needs an sm_90a build "
                            "on an sm_90 GPU and BF16 weights with N, K multiples of 128 and 16-byte aligned rows)")
     if backend != "triton" and cuda_weight_cast_runs(w):
-        return fp8_cuda.fp8_extension().fp8_weight_cast(w, AMAX_FLOOR)
+        return fp8_extension().fp8_weight_cast(w, AMAX_FLOOR)
     *lead, n, k = w.shape
     matrices = w.reshape(-1, n, k)
     blocks_n, blocks_k = triton.cdiv(n, BLOCK), triton.cdiv(k, BLOCK)
     q = torch.empty(matrices.shape, dtype=FP8_DTYPE, device=w.device)
     q_t = torch.empty(matrices.size(0), k, n, dtype=FP8_DTYPE, device=w.device)
     scales = torch.empty(matrices.size(0), blocks_n, blocks_k, dtype=torch.float32, device=w.device)
-    # The in-kernel transposed store was bitwise right on H200 for bfloat16 weights but wrong for
-    # float32 ones (Triton 3.6, session 2 GPU run): other dtypes transpose with torch.
-    fused_transpose = w.dtype == torch.bfloat16 or fp8_cuda.TRITON_INTERPRETED
+    # The in-kernel transposed store was bitwise right on an H200 for bfloat16 weights but wrong for
+    # float32 ones (Triton 3.6): other dtypes transpose with torch.
+    fused_transpose = w.dtype == torch.bfloat16 or INTERPRETED
     if scales.numel():
         _per_block_kernel[(scales.numel(),)](
             matrices, q, q_t, scales, n, k, blocks_n, blocks_k, *matrices.stride(),
-            BLOCK_C=BLOCK, SNAP=fp8_cuda.TRITON_INTERPRETED, WRITE_T=fused_transpose, num_warps=8,
+            BLOCK_C=BLOCK, SNAP=INTERPRETED, WRITE_T=fused_transpose, num_warps=8,
         )
         if not fused_transpose:
             q_t.copy_(q.transpose(-2, -1))

@@ -11,7 +11,7 @@ added to an FP32 accumulator with its two scales applied (as DeepGEMM does); the
 Rows past the last segment are written as zeros.
 
 Two implementations of the same arithmetic: the TMA + wgmma kernel of `moe_ep._fp8`
-(`csrc/kernels/fp8_gemm.cu`, sm_90a: a producer warp feeding two math warpgroups) where the
+(`csrc/fp8/`, sm_90a: a producer warp feeding two math warpgroups) where the
 extension is built, and the Triton kernel below everywhere else (and in Triton's interpreter on CPU).
 
 Segments are given by their cumulative ends on the device (`ExpertSegments.offsets`), so nothing
@@ -35,7 +35,32 @@ import triton
 import triton.language as tl
 
 from ..ops.fp8 import BLOCK, FP8_DTYPE
-from . import fp8_cuda
+from .fp8_backend import aligned_rows, cuda_kernels_run
+from .loaders import fp8_extension, interpreted
+
+
+@triton.jit
+def _locate_row_tile(ends_ptr, num_experts, num_rows, row_slot, BLOCK_M: tl.constexpr, E_POW2: tl.constexpr):
+    """`(expert, first row, end row)` of row tile `row_slot`, segments tiled one after another, then
+    the rows past the last segment (`expert == num_experts`). All experts at once (E_POW2 >= E
+    lanes), no loop."""
+    e = tl.arange(0, E_POW2)
+    seg_end = tl.load(ends_ptr + e, mask=e < num_experts, other=0)
+    seg_begin = tl.load(ends_ptr + e - 1, mask=(e > 0) & (e < num_experts), other=0)
+    seg_tiles = tl.where(e < num_experts, (seg_end - seg_begin + BLOCK_M - 1) // BLOCK_M, 0)
+    tiles_through = tl.cumsum(seg_tiles, 0)  # row tiles of experts 0..e
+    expert = tl.sum((tiles_through <= row_slot).to(tl.int32), 0)
+    mine = e == expert
+    tile_begin = tl.sum(tl.where(mine, seg_begin + (row_slot - tiles_through + seg_tiles) * BLOCK_M, 0), 0)
+    tile_end = tl.minimum(tl.sum(tl.where(mine, seg_end, 0), 0), tile_begin + BLOCK_M)
+    tail_begin = tl.max(seg_end, 0) + (row_slot - tl.sum(seg_tiles, 0)) * BLOCK_M
+    past_last = expert >= num_experts
+    tile_begin = tl.where(past_last, tail_begin, tile_begin)
+    return expert, tile_begin, tl.where(past_last, tl.minimum(tail_begin + BLOCK_M, num_rows), tile_end)
+
+
+INTERPRETED = interpreted(_locate_row_tile)
+"""Whether this module's kernels run in Triton's interpreter (one small tile, no CUDA kernel)."""
 
 
 def _configs() -> list[triton.Config]:
@@ -50,7 +75,7 @@ def _configs() -> list[triton.Config]:
     per SM, which overlap one's promotion arithmetic with the other's tensor-core work. Shared
     memory per stage is (BLOCK_M + SPLIT_N * BLOCK_N) * 128 bytes of 227 KB.
     """
-    if fp8_cuda.TRITON_INTERPRETED:
+    if INTERPRETED:
         return [triton.Config({"BLOCK_M": 32, "BLOCK_N": 64, "SPLIT_N": 1}, num_warps=4, num_stages=1)]
     tiles = [  # (BLOCK_M, BLOCK_N, SPLIT_N, num_warps, num_stages)
         (128, 128, 2, 8, 3), (128, 128, 2, 8, 4),
@@ -73,26 +98,6 @@ def tile_width(config: triton.Config) -> int:
 def _tiles_fitting(configs: list[triton.Config], named_args: dict, **kwargs) -> list[triton.Config]:
     """The tiles whose width divides the output width (the kernel has no column masks)."""
     return [c for c in configs if named_args["N_OUT"] % tile_width(c) == 0]
-
-
-@triton.jit
-def _locate_row_tile(ends_ptr, num_experts, num_rows, row_slot, BLOCK_M: tl.constexpr, E_POW2: tl.constexpr):
-    """`(expert, first row, end row)` of row tile `row_slot`, segments tiled one after another, then
-    the rows past the last segment (`expert == num_experts`). All experts at once (E_POW2 >= E
-    lanes), no loop."""
-    e = tl.arange(0, E_POW2)
-    seg_end = tl.load(ends_ptr + e, mask=e < num_experts, other=0)
-    seg_begin = tl.load(ends_ptr + e - 1, mask=(e > 0) & (e < num_experts), other=0)
-    seg_tiles = tl.where(e < num_experts, (seg_end - seg_begin + BLOCK_M - 1) // BLOCK_M, 0)
-    tiles_through = tl.cumsum(seg_tiles, 0)  # row tiles of experts 0..e
-    expert = tl.sum((tiles_through <= row_slot).to(tl.int32), 0)
-    mine = e == expert
-    tile_begin = tl.sum(tl.where(mine, seg_begin + (row_slot - tiles_through + seg_tiles) * BLOCK_M, 0), 0)
-    tile_end = tl.minimum(tl.sum(tl.where(mine, seg_end, 0), 0), tile_begin + BLOCK_M)
-    tail_begin = tl.max(seg_end, 0) + (row_slot - tl.sum(seg_tiles, 0)) * BLOCK_M
-    past_last = expert >= num_experts
-    tile_begin = tl.where(past_last, tail_begin, tile_begin)
-    return expert, tile_begin, tl.where(past_last, tl.minimum(tail_begin + BLOCK_M, num_rows), tile_end)
 
 
 # Tuned per output width and depth only: the row count changes every step with the routing.
@@ -172,7 +177,7 @@ Backend = Literal["auto", "cuda", "triton"]
 def cuda_kernel_runs(a: torch.Tensor, b: torch.Tensor) -> bool:
     """Whether `fp8_grouped_mm` runs these operands on the CUDA kernel (backend "auto"): TMA reads
     them, so K contiguous, start and row strides in 16-byte multiples."""
-    return fp8_cuda.runs_on(a) and fp8_cuda.aligned_rows(a) and fp8_cuda.aligned_rows(b)
+    return cuda_kernels_run(a) and aligned_rows(a) and aligned_rows(b)
 
 
 def fp8_grouped_mm(a: torch.Tensor, a_scales: torch.Tensor, b: torch.Tensor, b_scales: torch.Tensor,
@@ -211,7 +216,7 @@ def fp8_grouped_mm(a: torch.Tensor, a_scales: torch.Tensor, b: torch.Tensor, b_s
         raise RuntimeError("backend='cuda': the moe_ep._fp8 FP8 GEMM cannot run here (it needs an sm_90a build on an "
                            "sm_90 GPU, and K-contiguous operands with 16-byte aligned starts and strides)")
     if backend == "cuda" or (backend == "auto" and config is None and cuda_kernel_runs(a, b)):
-        return fp8_cuda.fp8_extension().fp8_grouped_mm(a, a_scales, b, b_scales, ends)
+        return fp8_extension().fp8_grouped_mm(a, a_scales, b, b_scales, ends)
     out = torch.empty(num_rows, n_out, dtype=torch.bfloat16, device=a.device)
 
     def grid(meta: dict) -> tuple[int]:
@@ -236,8 +241,8 @@ def fp8_depth_grouped_mm(a: torch.Tensor, a_scales: torch.Tensor, b: torch.Tenso
 
     `a` e4m3 with float32 scales `[M, C/128]` (1x128), `b` e4m3 with `[N/128, C/128]` (128x128), as
     `fp8_casts.per_column_segments_cast_to_fp8` writes them. The CUDA kernel of `moe_ep._fp8` only
-    (no Triton version): where `fp8_cuda.runs_on(a)`.
+    (no Triton version): where `fp8_backend.cuda_kernels_run(a)`.
     """
-    if not fp8_cuda.runs_on(a):
+    if not cuda_kernels_run(a):
         raise RuntimeError("fp8_depth_grouped_mm: needs the moe_ep._fp8 kernel (an sm_90a build on an sm_90 GPU)")
-    return fp8_cuda.fp8_extension().fp8_depth_grouped_mm(a, a_scales, b, b_scales, ends)
+    return fp8_extension().fp8_depth_grouped_mm(a, a_scales, b, b_scales, ends)

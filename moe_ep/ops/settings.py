@@ -1,0 +1,93 @@
+"""The environment variables moe_ep reads at run time: read once, on first use, and checked.
+
+| variable                       | default | meaning                                                         |
+| ------------------------------ | ------- | --------------------------------------------------------------- |
+| `MOE_EP_TIMEOUT_S`             | `10`    | seconds a CUDA kernel waits for a peer before it reports an     |
+|                                |         | error (normal and low-latency mode); a positive number          |
+| `MOE_EP_CHECK_VALUES`          | `1`     | `0` skips the front end's checks of tensor values (expert ids   |
+|                                |         | in range, no repeats), which read device data                   |
+| `MOE_EP_LOW_LATENCY_TRANSPORT` | `auto`  | low-latency module: `auto`, `p2p`, `nvshmem` or `nvshmem_puts`  |
+|                                |         | (see `backends/cuda_low_latency.py`)                            |
+
+Build-time variables (`MOE_EP_BUILD_*`, `MOE_EP_PROFILE`) belong to `setup.py`, and the launcher's
+(`RANK`, `WORLD_SIZE`) to `moe_ep/launch.py`. A program that changes a variable after moe_ep has
+used it calls `reload()`; tests do the same.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+from dataclasses import dataclass
+from typing import Mapping, Optional
+
+TIMEOUT_ENV = "MOE_EP_TIMEOUT_S"
+CHECK_VALUES_ENV = "MOE_EP_CHECK_VALUES"
+LOW_LATENCY_TRANSPORT_ENV = "MOE_EP_LOW_LATENCY_TRANSPORT"
+LOW_LATENCY_TRANSPORTS = ("auto", "p2p", "nvshmem", "nvshmem_puts")
+
+
+@dataclass(frozen=True)
+class Settings:
+    """What the environment asked for; `Settings()` holds the defaults."""
+
+    timeout_s: float = 10.0
+    check_values: bool = True
+    low_latency_transport: str = "auto"
+    # Ranks per node (`MOE_EP_NUM_RANKS_PER_NODE`, for internode mode) joins here: a field with its
+    # default, its row in the table above, and its read-and-check in `from_environment`.
+
+    @classmethod
+    def from_environment(cls, environ: Mapping[str, str]) -> "Settings":
+        """Settings from `environ`; a malformed value raises a `ValueError` naming its variable."""
+        defaults = cls()
+        return cls(
+            timeout_s=_positive_seconds(environ, TIMEOUT_ENV, defaults.timeout_s),
+            check_values=_switch(environ, CHECK_VALUES_ENV, defaults.check_values),
+            low_latency_transport=_choice(environ, LOW_LATENCY_TRANSPORT_ENV, LOW_LATENCY_TRANSPORTS,
+                                          defaults.low_latency_transport),
+        )
+
+
+def _positive_seconds(environ: Mapping[str, str], name: str, default: float) -> float:
+    raw = environ.get(name)
+    if raw is None:
+        return default
+    try:
+        value = float(raw)
+    except ValueError:
+        value = math.nan
+    if not (math.isfinite(value) and value > 0):
+        raise ValueError(f"{name}: expected a positive number of seconds, got {raw!r}")
+    return value
+
+
+def _switch(environ: Mapping[str, str], name: str, default: bool) -> bool:
+    raw = environ.get(name)
+    if raw is None:
+        return default
+    if raw not in ("0", "1"):
+        raise ValueError(f"{name}: expected 0 or 1, got {raw!r}")
+    return raw == "1"
+
+
+def _choice(environ: Mapping[str, str], name: str, choices: tuple[str, ...], default: str) -> str:
+    raw = environ.get(name, default)
+    if raw not in choices:
+        raise ValueError(f"{name}: expected one of {', '.join(choices)}, got {raw!r}")
+    return raw
+
+
+_current: Optional[Settings] = None
+
+
+def settings() -> Settings:
+    """The settings of this process, read from the environment on first use."""
+    return _current if _current is not None else reload()
+
+
+def reload() -> Settings:
+    """Read the environment again and return the new settings (kept only if every value is valid)."""
+    global _current
+    _current = Settings.from_environment(os.environ)
+    return _current

@@ -1,0 +1,97 @@
+"""Validation turns a Buffer call into one frozen request per operation, checked, as the backends take it."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+import torch
+
+import moe_ep
+from moe_ep.ops import fp8, routing, validation
+from moe_ep.ops.handles import DispatchHandle, LowLatencyHandle
+from moe_ep.ops.requests import DispatchRequest
+
+RANKS, TOKENS, HIDDEN, EXPERTS = 2, 12, 256, 8
+
+
+def routed(seed: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, routing.DispatchLayout]:
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(TOKENS, HIDDEN, generator=g).bfloat16()
+    topk_idx = torch.rand(TOKENS, EXPERTS, generator=g).topk(3, dim=1).indices
+    topk_idx[0, 2] = -1
+    weights = torch.rand(TOKENS, 3, generator=g)
+    return x, topk_idx, weights, routing.dispatch_layout(topk_idx, EXPERTS, RANKS)
+
+
+def dispatch_request(x: object, topk_idx: torch.Tensor, weights: torch.Tensor,
+                     layout: routing.DispatchLayout) -> DispatchRequest:
+    return validation.dispatch_request(x, None, layout.num_tokens_per_rank, layout.is_token_in_rank,
+                                       layout.num_tokens_per_expert, topk_idx, weights, 4, 0, moe_ep.Config(), RANKS)
+
+
+def test_dispatch_request_keeps_the_arguments_and_names_the_shared_settings() -> None:
+    x, topk_idx, weights, layout = routed(1)
+    request = dispatch_request(x, topk_idx, weights, layout)
+    assert request.x is x and request.topk_idx is topk_idx and request.x_scales is None and not request.cached
+    assert request.num_experts == EXPERTS and request.expert_alignment == 4
+    assert request.agreed() == {"cached": 0, "hidden (x.shape[1])": HIDDEN, "x.dtype": 0, "x scales": -1,
+                                "topk_idx.shape[1]": 3, "topk_weights given": 1, "num_experts": EXPERTS,
+                                "config.num_sms": 20}
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        request.num_worst_tokens = 3
+    q, scales = fp8.per_token_cast_to_fp8(x.float())
+    fp8_request = dispatch_request((q, scales), topk_idx, weights, layout)
+    assert fp8_request.x is q and fp8_request.x_scales is scales
+    assert fp8_request.agreed()["x scales"] == HIDDEN // 128 and fp8_request.agreed()["x.dtype"] == 4
+
+
+def test_cached_dispatch_and_combine_take_the_handle_as_a_named_tuple() -> None:
+    x, _, _, layout = routed(2)
+    num_recv = 17
+    handle = (torch.zeros(RANKS, RANKS, dtype=torch.int32), torch.zeros(RANKS, 4, dtype=torch.int32),
+              torch.zeros(RANKS, 4, dtype=torch.int32), torch.arange(num_recv, dtype=torch.int32),
+              layout.is_token_in_rank, torch.zeros(TOKENS, RANKS, dtype=torch.int32))
+    cached = validation.dispatch_request(x, handle, None, None, None, None, None, 1, 0, moe_ep.Config(), RANKS)
+    assert cached.cached and isinstance(cached.handle, DispatchHandle) and cached.handle.recv_src_idx is handle[3]
+    assert cached.agreed()["cached"] == 1 and cached.agreed()["num_experts"] == 0
+    rows = torch.randn(num_recv, HIDDEN).bfloat16()
+    bias = torch.randn(TOKENS, HIDDEN).bfloat16()
+    combine = validation.combine_request(rows, handle, None, (bias, bias), moe_ep.Config(), RANKS)
+    assert isinstance(combine.handle, DispatchHandle) and combine.bias_0 is bias and combine.bias_1 is bias
+    assert combine.agreed() == {"hidden (x.shape[1])": HIDDEN, "x.dtype": 0, "topk_weights.shape[1]": -1}
+    with pytest.raises(ValueError, match="x: expected 17 rows"):
+        validation.combine_request(rows[:5], handle, None, None, moe_ep.Config(), RANKS)
+    with pytest.raises(ValueError, match="bias: expected None, a tensor or a tuple of two tensors"):
+        validation.combine_request(rows, handle, None, [bias], moe_ep.Config(), RANKS)
+
+
+def test_bad_token_tuples_are_named() -> None:
+    x, topk_idx, weights, layout = routed(3)
+    with pytest.raises(ValueError, match=r"x: expected a tensor or a \(data, scales\) pair, got a tuple of 3"):
+        dispatch_request((x, x, x), topk_idx, weights, layout)
+    with pytest.raises(TypeError, match="x\\[0\\]: expected dtype torch.float8_e4m3fn"):
+        dispatch_request((x, x), topk_idx, weights, layout)
+
+
+def test_low_latency_requests() -> None:
+    x, topk_idx, weights, _ = routed(4)
+    stats = torch.zeros(EXPERTS // RANKS, dtype=torch.int32)
+    request = validation.low_latency_dispatch_request(x, topk_idx, 16, EXPERTS, stats, None, True, True, True,
+                                                      False, True, RANKS)
+    assert request.cumulative_local_expert_recv_stats is stats and request.return_recv_hook
+    assert request.agreed() == {"hidden (x.shape[1])": HIDDEN, "num_experts": EXPERTS,
+                                "num_max_dispatch_tokens_per_rank": 16, "use_fp8": 1, "round_scale": 1, "use_ue8m0": 1}
+    with pytest.raises(ValueError, match="return_recv_hook: cannot be combined with async_finish"):
+        validation.low_latency_dispatch_request(x, topk_idx, 16, EXPERTS, None, None, True, False, False, True, True,
+                                                RANKS)
+    handle = (torch.full((EXPERTS // RANKS, RANKS * 16), -1, dtype=torch.int32),
+              torch.zeros(EXPERTS // RANKS, RANKS, dtype=torch.int64), 16, HIDDEN, EXPERTS)
+    y = torch.randn(EXPERTS // RANKS, RANKS * 16, HIDDEN).bfloat16()
+    combine = validation.low_latency_combine_request(y, topk_idx, weights, handle, False, True, False, False, None,
+                                                     None, RANKS)
+    assert isinstance(combine.handle, LowLatencyHandle) and combine.zero_copy
+    assert combine.agreed() == {"hidden": HIDDEN, "num_experts": EXPERTS, "num_max_dispatch_tokens_per_rank": 16}
+    with pytest.raises(ValueError, match="use_logfmt: the LogFMT wire format is not supported"):
+        validation.low_latency_combine_request(y, topk_idx, weights, handle, True, False, False, False, None, None,
+                                               RANKS)
