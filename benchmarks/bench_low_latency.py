@@ -26,7 +26,7 @@ slots), FP8 dispatch and BF16 combine, with `num_max_dispatch_tokens_per_rank = 
   * `module`: the low-latency extension that ran (`moe_ep._low_latency_p2p` on one host with P2P,
     `moe_ep._low_latency` otherwise or with MOE_EP_LOW_LATENCY_TRANSPORT=nvshmem).
 
-    python benchmarks/bench_low_latency.py --out benchmarks/results/low_latency.json [--tokens 128 1 512]
+    python benchmarks/bench_low_latency.py --out /tmp/low_latency.json [--tokens 128 1 512]
 """
 
 from __future__ import annotations
@@ -223,7 +223,7 @@ def main() -> None:
     parser.add_argument("--topk", type=int, default=8)
     parser.add_argument("--warmup", type=int, default=20)
     parser.add_argument("--iters", type=int, default=50)
-    parser.add_argument("--out", default="benchmarks/results/low_latency.json")
+    parser.add_argument("--out", required=True, help="JSON results path")
     args = parser.parse_args()
     if torch.cuda.device_count() < args.world:
         sys.exit(f"needs {args.world} GPUs, found {torch.cuda.device_count()}")

@@ -16,7 +16,7 @@ median over iterations of the slowest rank (CUDA events, after warm-up):
 Memory per rank: 64 local experts are ~5.6 GB of BF16 weights, as much again in gradients, plus a few
 GB of activations at 4096 tokens.
 
-    python benchmarks/bench_moe_layer.py --out benchmarks/results/moe_layer.json [--world 4]
+    python benchmarks/bench_moe_layer.py --out /tmp/moe_layer.json [--world 4]
 """
 
 from __future__ import annotations
