@@ -17,7 +17,8 @@ from typing import NamedTuple, Optional
 import torch
 
 NUM_MAX_NVL_PEERS = 8
-"""Ranks that count as one node (NVLink domain) when reporting per-node (RDMA rank) counts."""
+"""The most ranks of one NVLink domain the CUDA kernels serve (and of a virtual node); `dispatch_layout`'s
+default node size (the Buffer passes its own node grouping, see `moe_ep/ops/topology.py`)."""
 
 
 class DispatchLayout(NamedTuple):
