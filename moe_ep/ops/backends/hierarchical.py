@@ -47,13 +47,14 @@ def create_node_groups(group: dist.ProcessGroup, topology: NodeTopology) -> Node
     whole_world = len(members) == dist.get_world_size()
     me = members[topology.rank]
     size, count = topology.num_ranks_per_node, topology.num_nodes
+    # A sub-group's ranks must keep our order (node order on a rail): torch sorts them by global rank,
+    # which is our order unless the Buffer's group itself is not in ascending order (newer torch only).
+    options = {} if members == sorted(members) else {"sort_ranks": False}
     mine: dict[tuple[int, ...], dist.ProcessGroup] = {}
     for local_ranks in [topology.rail_ranks(i) for i in range(size)] + [topology.node_ranks(n) for n in range(count)]:
-        # Group ranks keep our order (node order on a rail), whatever the global rank numbers are.
         ranks = [members[r] for r in local_ranks]
         if whole_world or me in ranks:
-            sub = dist.new_group(ranks, backend=backend, use_local_synchronization=not whole_world,
-                                 sort_ranks=False)
+            sub = dist.new_group(ranks, backend=backend, use_local_synchronization=not whole_world, **options)
             if me in ranks:
                 mine[tuple(ranks)] = sub
     rail = mine[tuple(members[r] for r in topology.rail_ranks(topology.local_rank))]
