@@ -163,8 +163,8 @@ def run(rank: int, world: int, device: torch.device, args: argparse.Namespace) -
 
 def _table(r: dict) -> str:
     net = r["network"]
-    lines = [f"{r['world']} ranks = {r['nodes']} nodes x {r['ranks_per_node']} ({r['device']}, backend {r['backend']}); "
-             f"{r['tokens']} tokens x hidden {r['hidden']}, top-{r['topk']} of {r['experts']} experts",
+    lines = [f"{r['world']} ranks = {r['nodes']} nodes x {r['ranks_per_node']} ({r['device']}, "
+             f"backend {r['backend']}); {r['tokens']} tokens x hidden {r['hidden']}, top-{r['topk']} of {r['experts']} experts",
              f"network leg per dispatch, all ranks: {sum(net['dispatch_rows_hierarchical']):.0f} rows hierarchical "
              f"(per-node copies) vs {sum(net['dispatch_rows_flat']):.0f} flat (per-rank copies): dedup "
              f"{net['dedup_factor']:.2f}x; busiest rank {net['fp8_payload_bytes_hierarchical_max'] / 1e6:.2f} MB vs "

@@ -14,8 +14,7 @@ import moe_ep
 from moe_ep import ops
 from moe_ep.layers import MoEConfig, MoELayer
 from moe_ep.ops import fp8
-from reference import (RankInputs, dispatch_reference, expert_output, make_inputs, owner, to_cpu,
-                       tokens_for)
+from reference import RankInputs, dispatch_reference, expert_output, make_inputs, owner, tokens_for
 
 # Buffers of this module's workers, one per (group ranks, ranks per node): each creates sub-groups once.
 _BUFFERS: dict[tuple, moe_ep.Buffer] = {}
@@ -194,8 +193,10 @@ def _run_path(buffer: moe_ep.Buffer, hierarchical: bool, mine: RankInputs, x: ob
 def _equal(a: object, b: object) -> bool:
     """Bit-for-bit equality of nested outputs (FP8 compared as bytes)."""
     if isinstance(a, torch.Tensor):
-        return a.dtype == b.dtype and a.shape == b.shape and torch.equal(
-            a.view(torch.uint8) if a.dtype == fp8.FP8_DTYPE else a, b.view(torch.uint8) if b.dtype == fp8.FP8_DTYPE else b)
+        def raw(t: torch.Tensor) -> torch.Tensor:
+            return t.view(torch.uint8) if t.dtype == fp8.FP8_DTYPE else t
+
+        return a.dtype == b.dtype and a.shape == b.shape and torch.equal(raw(a), raw(b))
     if isinstance(a, (tuple, list)):
         return len(a) == len(b) and all(_equal(x, y) for x, y in zip(a, b))
     return a == b
@@ -211,7 +212,8 @@ def _round_trip(rank: int, world: int, ranks_per_node: int, case: dict) -> int:
     ref = dispatch_reference(inputs, rank, num_experts, c.alignment, config.num_channels)
     num_worst = 0
     if c.worst_extra >= 0:
-        num_worst = max(len(dispatch_reference(inputs, r, num_experts, 1, 1).rows) for r in range(world)) + c.worst_extra
+        busiest = max(len(dispatch_reference(inputs, r, num_experts, 1, 1).rows) for r in range(world))
+        num_worst = busiest + c.worst_extra
     x = fp8.per_token_cast_to_fp8(mine.x.float()) if c.use_fp8 else mine.x
 
     def expert_in(recv: object) -> torch.Tensor:  # what the fake experts see: dequantized FP8 in BF16

@@ -143,11 +143,6 @@ def resolve_node_topology(group: dist.ProcessGroup, rank: int, num_ranks: int, r
     return NodeTopology(num_ranks, requested, rank)
 
 
-def single_node(num_ranks: int, rank: int) -> NodeTopology:
-    """The whole group as one node."""
-    return NodeTopology(num_ranks, num_ranks, rank)
-
-
 def node_mask(is_token_in_rank: torch.Tensor, num_ranks_per_node: int) -> torch.Tensor:
     """`[T, num_nodes]` bool: whether a token goes to at least one rank of each node."""
     num_tokens, num_ranks = is_token_in_rank.shape
