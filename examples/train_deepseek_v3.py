@@ -2,6 +2,7 @@
 
     python examples/train_deepseek_v3.py                 # 2 CPU ranks over gloo (NCCL + CUDA on GPUs)
     python examples/train_deepseek_v3.py --world 4 --steps 600
+    python examples/train_deepseek_v3.py --world 4 --ranks-per-node 2   # 2 virtual nodes: internode mode
     torchrun --nproc-per-node 2 examples/train_deepseek_v3.py
     python examples/train_deepseek_v3.py --stop-at 100   # save and stop early (as if preempted), then
     python examples/train_deepseek_v3.py --resume        # continue from the last checkpoint
@@ -345,10 +346,12 @@ def run(rank: int, world: int, device: torch.device, opts: argparse.Namespace) -
     if not history["val"]:
         history["val"].append((state["step"], evaluate(model, val, margs.seq_len, opts.eval_windows, device)))
     last = min(opts.steps, opts.stop_at or opts.steps)
+    buffer = model.moe_layers()[0].dispatcher.buffer
+    nodes = buffer.node_topology()  # collective the first time: every rank asks
     if rank == 0:
         probe = torch.empty(0, device=device, dtype=torch.bfloat16 if device.type == "cuda" else torch.float32)
-        backend = model.moe_layers()[0].dispatcher.buffer.backend_name_for(probe)
-        print(f"{world} ranks on {device.type} ({dist.get_backend()}), MoE communication backend: {backend}")
+        print(f"{world} ranks on {device.type} ({dist.get_backend()}), MoE communication backend: "
+              f"{buffer.backend_name_for(probe)}, {nodes.num_nodes} node(s) of {nodes.num_ranks_per_node} ranks")
     bar = tqdm(range(state["step"], last), initial=state["step"], total=opts.steps, disable=rank != 0,
                dynamic_ncols=True, desc=f"train ({world} ranks, {device.type})")
     for step in bar:
@@ -397,7 +400,12 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--resume", action="store_true", help="continue from OUT_DIR/checkpoint if present")
     parser.add_argument("--init-from", help="full checkpoint (convert_checkpoint.py) to start from, any world size")
     parser.add_argument("--short", action="store_true", help="tiny model and few steps; fail unless the loss falls")
+    parser.add_argument("--ranks-per-node", type=int, default=None,
+                        help="split the ranks into virtual nodes of this many ranks (1-8): MoE communication "
+                             "takes the internode (hierarchical) path as across real nodes")
     opts = parser.parse_args()
+    if opts.ranks_per_node is not None:  # the Buffers of every rank (spawned or under torchrun) read it
+        os.environ["MOE_EP_NUM_RANKS_PER_NODE"] = str(opts.ranks_per_node)
     opts.model_args = asdict(SHORT_MODEL if opts.short else ModelArgs())
     if opts.init_from:
         opts.model_args = torch.load(opts.init_from, weights_only=True)["model_args"]

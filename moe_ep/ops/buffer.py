@@ -14,8 +14,10 @@ from .config import Config, default_combine_config, default_dispatch_config, low
 from .constants import NUM_MAX_NVL_PEERS
 from .event import EventOverlap, capture_event
 from .handles import DispatchHandle, LowLatencyHandle
-from .requests import Request
+from .requests import DispatchRequest, Request
 from .streams import CommStreams, StreamScope
+from .topology import (NodeTopology, check_num_tokens_per_rdma_rank, requested_num_ranks_per_node,
+                       resolve_node_topology)
 
 topk_idx_t = torch.int64
 """dtype of top-k expert indices everywhere in the API."""
@@ -33,6 +35,10 @@ class Buffer:
     `moe_ep._C` kernels) or `"auto"` (CUDA kernels for GPU tensors when the extension is built,
     the torch backend otherwise, e.g. beyond one node of 8 ranks or without buffer bytes). Any world
     size works; see docs/semantics.md for exact outputs.
+
+    Nodes are the hosts, or `num_ranks_per_node` consecutive ranks (1 to 8, dividing the group size;
+    default: the setting `MOE_EP_NUM_RANKS_PER_NODE`), which splits a host into virtual nodes. Across
+    nodes, normal mode runs hierarchically on the torch backend (docs/semantics.md, "Internode").
     """
 
     num_sms: int = 20
@@ -48,6 +54,7 @@ class Buffer:
         allow_mnnvl: bool = False,
         explicitly_destroy: bool = False,
         backend: str = "auto",
+        num_ranks_per_node: Optional[int] = None,
     ) -> None:
         if backend not in ("auto", "torch", "cuda"):
             raise ValueError(f"backend: expected 'auto', 'torch' or 'cuda', got {backend!r}")
@@ -68,13 +75,38 @@ class Buffer:
         self.explicitly_destroy = explicitly_destroy
         self.backend = backend
         self._streams = CommStreams()
+        self._requested_ranks_per_node = requested_num_ranks_per_node(num_ranks_per_node, self.group_size)
+        self._topology: Optional[NodeTopology] = None
         self._torch = create_backend("torch", self.group, self.rank, self.group_size)
         self._cuda: Optional[CommBackend] = None
-        if backend == "cuda" or (backend == "auto" and self._cuda_fits()):
+        # Creating the CUDA backend is collective anyway, so the nodes are learned first; otherwise on the
+        # first normal-mode call (creating a torch-backend Buffer stays local).
+        if (backend == "cuda" or (backend == "auto" and self._cuda_fits())) and not self._internode_normal_mode():
             self._cuda = create_backend("cuda", self.group, self.rank, self.group_size, num_nvl_bytes=num_nvl_bytes,
                                         num_rdma_bytes=num_rdma_bytes, low_latency_mode=low_latency_mode,
                                         explicitly_destroy=explicitly_destroy)
         self._destroyed = False
+
+    def _internode_normal_mode(self) -> bool:
+        """Whether this is a normal-mode Buffer over several nodes, which the CUDA backend cannot serve yet."""
+        if self.low_latency_mode or self.node_topology().num_nodes == 1:
+            return False
+        if self.backend == "cuda":
+            raise _no_internode_kernels(self.node_topology())
+        return True
+
+    def node_topology(self) -> NodeTopology:
+        """Which ranks form a node: learned from the hosts and `num_ranks_per_node` on first use (a
+        collective on the Buffer's group: the first normal-mode call, or creating the CUDA backend)."""
+        if self._topology is None:
+            device = torch.device("cuda", torch.cuda.current_device()) if _is_nccl(self.group) else torch.device("cpu")
+            self._topology = resolve_node_topology(self.group, self.rank, self.group_size,
+                                                   self._requested_ranks_per_node, device, self.allow_mnnvl)
+            if self._topology.num_nodes > 1:
+                from .backends.hierarchical import InternodePath
+
+                self._torch.internode = InternodePath(self._torch, self._topology)
+        return self._topology
 
     def _cuda_fits(self) -> bool:
         """`auto` picks the CUDA kernels for one NVLink node of NCCL ranks with buffers to work in."""
@@ -165,12 +197,23 @@ class Buffer:
         assert self._cuda is not None
         return self._cuda
 
+    def _normal_backend_for(self, tensor: torch.Tensor) -> CommBackend:
+        """`_backend_for` in normal mode, which first learns the nodes: across nodes the torch backend serves
+        (the CUDA internode kernels are not written yet)."""
+        backend = self._backend_for(tensor)
+        topology = self.node_topology()
+        if backend is self._cuda and topology.num_nodes > 1:
+            if self.backend == "cuda":
+                raise _no_internode_kernels(topology)
+            return self._torch
+        return backend
+
     def _request(self, op: str, x: object, build: Callable[[], RequestT],
                  low_latency: bool = False) -> tuple[CommBackend, RequestT]:
         """The backend for `x`'s device and the checked request `build` returns; if any rank's checks
         failed, every rank raises (the failing rank its own error)."""
         tensor = x if isinstance(x, torch.Tensor) else torch.empty(0)
-        backend = self._backend_for(tensor)
+        backend = self._backend_for(tensor) if low_latency else self._normal_backend_for(tensor)
         try:
             if low_latency:
                 self._require_low_latency(op)
@@ -212,7 +255,7 @@ class Buffer:
         check.check_topk_idx("topk_idx", topk_idx, None, getattr(topk_idx, "device", None))
         check.check_num_experts(num_experts, self.group_size)
         check.check_topk_values("topk_idx", topk_idx, num_experts)
-        backend = self._backend_for(topk_idx)
+        backend = self._normal_backend_for(topk_idx)
         scope = self._scope(topk_idx.device, previous_event, async_finish, allocate_on_comm_stream)
         with scope.run():
             layout = backend.get_dispatch_layout(topk_idx, num_experts)
@@ -266,9 +309,17 @@ class Buffer:
         """
         config = config if config is not None else self.get_dispatch_config(self.group_size)
         op = "dispatch" if handle is None else "cached_dispatch"
-        backend, request = self._request(op, x[0] if isinstance(x, tuple) and x else x, lambda: check.dispatch_request(
-            x, handle, num_tokens_per_rank, is_token_in_rank, num_tokens_per_expert, topk_idx, topk_weights,
-            expert_alignment, num_worst_tokens, config, self.group_size))
+
+        def build() -> DispatchRequest:
+            request = check.dispatch_request(x, handle, num_tokens_per_rank, is_token_in_rank, num_tokens_per_expert,
+                                             topk_idx, topk_weights, expert_alignment, num_worst_tokens, config,
+                                             self.group_size)
+            if not request.cached:
+                check_num_tokens_per_rdma_rank(num_tokens_per_rdma_rank, request.is_token_in_rank,
+                                               self.node_topology(), request.x.device)
+            return request
+
+        backend, request = self._request(op, x[0] if isinstance(x, tuple) and x else x, build)
         scope = self._scope(request.x.device, previous_event, async_finish, allocate_on_comm_stream)
         fp8 = request.x_scales is not None
         if request.cached:
@@ -427,3 +478,10 @@ class Buffer:
 
 def _is_nccl(group: dist.ProcessGroup) -> bool:
     return dist.get_backend(group) == "nccl"
+
+
+def _no_internode_kernels(topology: NodeTopology) -> NotImplementedError:
+    return NotImplementedError(
+        f"backend='cuda': normal mode across {topology.num_nodes} nodes of {topology.num_ranks_per_node} ranks needs "
+        "the internode kernels, which are not implemented yet; use backend='torch' or 'auto' (the hierarchical "
+        "torch backend)")

@@ -8,6 +8,8 @@
 |                                |         | in range, no repeats), which read device data                   |
 | `MOE_EP_LOW_LATENCY_TRANSPORT` | `auto`  | low-latency module: `auto`, `p2p`, `nvshmem` or `nvshmem_puts`  |
 |                                |         | (see `backends/cuda_low_latency.py`)                            |
+| `MOE_EP_NUM_RANKS_PER_NODE`    | unset   | ranks per node (1-8, dividing the group size) for Buffers that  |
+|                                |         | pass no `num_ranks_per_node`: virtual nodes; unset: the hosts   |
 
 Build-time variables (`MOE_EP_BUILD_*`, `MOE_EP_PROFILE`) belong to `setup.py`, and the launcher's
 (`RANK`, `WORLD_SIZE`) to `moe_ep/launch.py`. A program that changes a variable after moe_ep has
@@ -25,6 +27,7 @@ TIMEOUT_ENV = "MOE_EP_TIMEOUT_S"
 CHECK_VALUES_ENV = "MOE_EP_CHECK_VALUES"
 LOW_LATENCY_TRANSPORT_ENV = "MOE_EP_LOW_LATENCY_TRANSPORT"
 LOW_LATENCY_TRANSPORTS = ("auto", "p2p", "nvshmem", "nvshmem_puts")
+NUM_RANKS_PER_NODE_ENV = "MOE_EP_NUM_RANKS_PER_NODE"
 
 
 @dataclass(frozen=True)
@@ -34,8 +37,7 @@ class Settings:
     timeout_s: float = 10.0
     check_values: bool = True
     low_latency_transport: str = "auto"
-    # Ranks per node (`MOE_EP_NUM_RANKS_PER_NODE`, for internode mode) joins here: a field with its
-    # default, its row in the table above, and its read-and-check in `from_environment`.
+    num_ranks_per_node: Optional[int] = None  # checked against the group size by `moe_ep.ops.topology`
 
     @classmethod
     def from_environment(cls, environ: Mapping[str, str]) -> "Settings":
@@ -46,6 +48,7 @@ class Settings:
             check_values=_switch(environ, CHECK_VALUES_ENV, defaults.check_values),
             low_latency_transport=_choice(environ, LOW_LATENCY_TRANSPORT_ENV, LOW_LATENCY_TRANSPORTS,
                                           defaults.low_latency_transport),
+            num_ranks_per_node=_optional_int(environ, NUM_RANKS_PER_NODE_ENV),
         )
 
 
@@ -60,6 +63,16 @@ def _positive_seconds(environ: Mapping[str, str], name: str, default: float) -> 
     if not (math.isfinite(value) and value > 0):
         raise ValueError(f"{name}: expected a positive number of seconds, got {raw!r}")
     return value
+
+
+def _optional_int(environ: Mapping[str, str], name: str) -> Optional[int]:
+    raw = environ.get(name, "").strip()
+    if not raw:
+        return None
+    try:
+        return int(raw)
+    except ValueError:
+        raise ValueError(f"{name}: expected an integer, got {raw!r}") from None
 
 
 def _switch(environ: Mapping[str, str], name: str, default: bool) -> bool:

@@ -11,7 +11,7 @@ import torch
 
 from .config import Config
 from .constants import FP8_BLOCK, NUM_MAX_TOPK, ROW_ALIGNMENT_BYTES
-from .handles import DispatchHandle, LowLatencyHandle
+from .handles import DispatchHandle, InternodeDispatchHandle, LowLatencyHandle
 from .requests import CombineRequest, DispatchRequest, LowLatencyCombineRequest, LowLatencyDispatchRequest
 from .settings import settings
 
@@ -129,10 +129,12 @@ def check_topk_weights(name: str, topk_weights: object, topk_idx: torch.Tensor) 
 
 def check_dispatch_handle(handle: object, num_tokens: Optional[int], num_ranks: int,
                           device: torch.device) -> DispatchHandle:
-    """A normal-mode handle (`num_tokens`: the source tokens it must describe, None for any)."""
-    if not isinstance(handle, tuple) or len(handle) != len(DispatchHandle._fields):
+    """A normal-mode handle, one-node or internode (`num_tokens`: the source tokens it must describe, None
+    for any). An internode handle stays one: its first fields are a `DispatchHandle`'s."""
+    handle_types = {len(DispatchHandle._fields): DispatchHandle, len(InternodeDispatchHandle._fields): InternodeDispatchHandle}
+    if not isinstance(handle, tuple) or len(handle) not in handle_types:
         raise ValueError("handle: expected the handle returned by dispatch")
-    hdl = DispatchHandle(*handle)
+    hdl = handle_types[len(handle)](*handle)
     check_tensor("handle.rank_prefix_matrix", hdl.rank_prefix_matrix, dtype=torch.int32,
                  shape=(num_ranks, num_ranks), device=device)
     check_tensor("handle.is_token_in_rank", hdl.is_token_in_rank, dtype=torch.bool,

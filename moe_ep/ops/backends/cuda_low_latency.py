@@ -33,8 +33,6 @@ import functools
 import importlib
 import importlib.util
 import os
-import socket
-import zlib
 from typing import Callable, Optional
 
 import torch
@@ -45,8 +43,9 @@ from ..handles import LowLatencyHandle
 from ..requests import LowLatencyCombineRequest, LowLatencyDispatchRequest
 from ..routing import ceil_div
 from ..settings import settings
+from ..topology import gather_host_records
 from .base import LowLatencyDispatchResult, RecvHook
-from .collectives import all_gather_bytes, broadcast_bytes
+from .collectives import broadcast_bytes
 
 _SEND, _RECV = 1, 2
 _MAX_IN_FLIGHT = 2  # operations sent but not yet received: one per half of the buffer
@@ -86,15 +85,14 @@ def _choose_transport(group: dist.ProcessGroup, num_ranks: int, device: torch.de
     overrides (`moe_ep.ops.settings`).
     """
     forced = settings().low_latency_transport
-    host = zlib.crc32(socket.gethostname().encode()).to_bytes(4, "little")
-    records = all_gather_bytes(host + device.index.to_bytes(4, "little"), group, num_ranks, device)
-    single_host = len({record[:4] for record in records}) == 1
+    records = gather_host_records(group, num_ranks, device, device.index.to_bytes(4, "little"))
+    single_host = len({host for host, _ in records}) == 1
     if forced != "auto":
         return single_host, forced
     if not single_host or importlib.util.find_spec(_MODULES["p2p"]) is None:  # the P2P module was not built
         return single_host, "nvshmem"
     # Processes that see one GPU each all report index 0: the runtime then checks the mappings itself.
-    devices = {int.from_bytes(record[4:], "little") for record in records}
+    devices = {int.from_bytes(index, "little") for _, index in records}
     peer_access = all(torch.cuda.can_device_access_peer(a, b) for a in devices for b in devices if a != b)
     return single_host, "p2p" if peer_access else "nvshmem"
 

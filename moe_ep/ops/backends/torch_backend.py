@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import math
 import time
-from typing import Mapping, Optional, Sequence
+from typing import TYPE_CHECKING, Mapping, Optional, Sequence
 
 import torch
 import torch.distributed as dist
@@ -21,6 +21,9 @@ from ..routing import DispatchLayout
 from ..validation import PeerInputError
 from .base import CommBackend, DispatchResult, LowLatencyDispatchResult, RecvHook
 from .collectives import all_gather_into
+
+if TYPE_CHECKING:
+    from .hierarchical import InternodePath
 
 # Fixed width of the settings vector every rank contributes to `agree` (op id, error flag, fields).
 _AGREE_WIDTH = 24
@@ -77,6 +80,8 @@ class TorchBackend(CommBackend):
     def __init__(self, group: dist.ProcessGroup, rank: int, num_ranks: int) -> None:
         super().__init__(group, rank, num_ranks)
         self._combine_buffers: dict[tuple[int, int, int, torch.device], torch.Tensor] = {}
+        # Normal mode across nodes (attached by the Buffer when its group spans more than one node).
+        self.internode: Optional[InternodePath] = None
 
     # ------------------------------------------------------------------ collectives
 
@@ -115,9 +120,12 @@ class TorchBackend(CommBackend):
     # ------------------------------------------------------------------ normal mode
 
     def get_dispatch_layout(self, topk_idx: torch.Tensor, num_experts: int) -> DispatchLayout:
-        return routing.dispatch_layout(topk_idx, num_experts, self.num_ranks)
+        ranks_per_node = self.num_ranks if self.internode is None else self.internode.topology.num_ranks_per_node
+        return routing.dispatch_layout(topk_idx, num_experts, self.num_ranks, ranks_per_node)
 
     def dispatch(self, request: DispatchRequest) -> DispatchResult:
+        if self.internode is not None and self.internode.takes():
+            return self.internode.dispatch(request)
         x, x_scales, topk_idx, topk_weights = request.x, request.x_scales, request.topk_idx, request.topk_weights
         is_token_in_rank, num_worst_tokens = request.is_token_in_rank, request.num_worst_tokens
         num_ranks, rank, device = self.num_ranks, self.rank, x.device
@@ -185,6 +193,8 @@ class TorchBackend(CommBackend):
             raise ValueError(f"num_worst_tokens: too small, no data would fit ({detail})")
 
     def cached_dispatch(self, request: DispatchRequest) -> tuple[torch.Tensor, Optional[torch.Tensor]]:
+        if self.internode is not None and self.internode.takes(request.handle):
+            return self.internode.cached_dispatch(request)
         x, x_scales, handle = request.x, request.x_scales, request.handle
         send_counts, recv_counts = _handle_counts(handle, self.rank)
         _, token = routing.send_order(handle.is_token_in_rank)
@@ -197,6 +207,8 @@ class TorchBackend(CommBackend):
         return _pad_rows(received[0], num_rows, 0), recv_scales
 
     def combine(self, request: CombineRequest) -> tuple[torch.Tensor, Optional[torch.Tensor]]:
+        if self.internode is not None and self.internode.takes(request.handle):
+            return self.internode.combine(request)
         x, handle, topk_weights = request.x, request.handle, request.topk_weights
         # Every row goes back to its source, which receives from each rank the rows it sent there.
         to_source, from_ranks = _handle_counts(handle, self.rank)
@@ -213,12 +225,20 @@ class TorchBackend(CommBackend):
         for bias in (request.bias_0, request.bias_1):
             if bias is not None:
                 combined += bias.to(acc_dtype)
-        combined = _sum_in_rank_order(combined, back[0], dest, token, self.num_ranks)
+        combined = self._sum_returned(combined, back[0], dest, token, x.dtype)
         combined_weights = None
         if topk_weights is not None:
             zeros = torch.zeros(num_tokens, topk_weights.size(1), dtype=torch.float32, device=x.device)
-            combined_weights = _sum_in_rank_order(zeros, back[1], dest, token, self.num_ranks)
+            combined_weights = self._sum_returned(zeros, back[1], dest, token, torch.float32)
         return combined.to(x.dtype), combined_weights
+
+    def _sum_returned(self, acc: torch.Tensor, rows: torch.Tensor, dest: torch.Tensor, token: torch.Tensor,
+                      dtype: torch.dtype) -> torch.Tensor:
+        """Combine's sum of the returned rows: in rank order in one node; across nodes, per node first
+        (the partial rounded to `dtype`), then over nodes (docs/semantics.md)."""
+        if self.internode is not None:
+            return self.internode.reduce_flat(acc, rows, dest, token, dtype)
+        return _sum_in_rank_order(acc, rows, dest, token, self.num_ranks)
 
     # ------------------------------------------------------------------ low-latency mode
 
@@ -334,6 +354,8 @@ class TorchBackend(CommBackend):
 
     def destroy(self) -> None:
         self._combine_buffers.clear()
+        if self.internode is not None:
+            self.internode.destroy()
 
 
 def _pad_rows(tensor: torch.Tensor, num_rows: int, fill: float) -> torch.Tensor:

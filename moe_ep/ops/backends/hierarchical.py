@@ -1,0 +1,298 @@
+"""Normal mode of the torch backend across nodes: a network leg between rails, then a leg inside the node.
+
+A token crosses the network once per destination node, to the rank with its own local index there
+(its "rail"), which forwards it to the ranks of that node that need it; combine reverses the two legs
+and reduces inside the expert-side node first, so one partial row per (token, node) crosses the
+network. Both legs are `all_to_all_single` calls over sub-groups created once per Buffer: the rail
+group (the ranks with this rank's local index, one per node) and the node group (this rank's node).
+Outputs are exactly those of the flat path (docs/semantics.md, "Internode"), which the same module
+makes use the two-level combine reduction when there is more than one node.
+"""
+
+from __future__ import annotations
+
+from typing import NamedTuple, Optional
+
+import torch
+import torch.distributed as dist
+
+from .. import routing
+from ..handles import InternodeDispatchHandle
+from ..requests import CombineRequest, DispatchRequest
+from ..topology import NodeTopology, node_mask
+from .base import DispatchResult
+from .torch_backend import TorchBackend, _handle_counts, _pad_rows, _RowCodec, _sum_in_rank_order
+
+
+class NodeGroups(NamedTuple):
+    """This rank's sub-groups; None where the group would be this rank alone (no collective needed)."""
+
+    rail: Optional[dist.ProcessGroup]
+    node: Optional[dist.ProcessGroup]
+    created: tuple[dist.ProcessGroup, ...]  # the groups this object owns (destroyed with it)
+
+
+def create_node_groups(group: dist.ProcessGroup, topology: NodeTopology) -> NodeGroups:
+    """The rail and node groups of `group` (collective over `group`, in the same order on every rank).
+
+    A Buffer over the whole world creates every rail and node group on every rank, as `dist.new_group`
+    requires. Over a part of the world only the member ranks take part (`use_local_synchronization`);
+    torch names such groups from their ranks and the number of groups the process already has, so every
+    rank of the Buffer must have created the same number of process groups before.
+    """
+    if topology.num_ranks_per_node == 1:  # the rail is the whole group and the node leg a local copy
+        return NodeGroups(group, None, ())
+    members = dist.get_process_group_ranks(group)
+    backend = dist.get_backend(group)
+    whole_world = len(members) == dist.get_world_size()
+    me = members[topology.rank]
+    size, count = topology.num_ranks_per_node, topology.num_nodes
+    # A sub-group's ranks must keep our order (node order on a rail): torch sorts them by global rank,
+    # which is our order unless the Buffer's group itself is not in ascending order (newer torch only).
+    options = {} if members == sorted(members) else {"sort_ranks": False}
+    mine: dict[tuple[int, ...], dist.ProcessGroup] = {}
+    for local_ranks in [topology.rail_ranks(i) for i in range(size)] + [topology.node_ranks(n) for n in range(count)]:
+        ranks = [members[r] for r in local_ranks]
+        if whole_world or me in ranks:
+            sub = dist.new_group(ranks, backend=backend, use_local_synchronization=not whole_world, **options)
+            if me in ranks:
+                mine[tuple(ranks)] = sub
+    rail = mine[tuple(members[r] for r in topology.rail_ranks(topology.local_rank))]
+    node = mine[tuple(members[r] for r in topology.node_ranks(topology.node))]
+    return NodeGroups(rail, node, (rail, node))
+
+
+def _exchange(rows: torch.Tensor, send_counts: list[int], recv_counts: list[int],
+              group: Optional[dist.ProcessGroup]) -> torch.Tensor:
+    """Byte rows to the group's ranks (`send_counts` each, in group order); None: a rank alone."""
+    if group is None:
+        return rows
+    recv = torch.empty(sum(recv_counts), rows.size(1), dtype=rows.dtype, device=rows.device)
+    dist.all_to_all_single(recv, rows, recv_counts, send_counts, group=group)
+    return recv
+
+
+def _counts_from_prefix(prefix: torch.Tensor) -> list[int]:
+    counts = prefix.long().clone()
+    counts[1:] -= prefix[:-1].long()
+    return counts.tolist()
+
+
+def _arrival_order(counts_to_me: list[int], topology: NodeTopology,
+                   device: torch.device) -> tuple[torch.Tensor, list[int]]:
+    """Rows arrive from the forwarders (local ranks) in turn, each sending its sources `(m, f)` node by
+    node in token order; the final order is source-rank-major. Returns `order` (`final = arrival[order]`)
+    and the rows from each forwarder."""
+    num_nodes, size = topology.num_nodes, topology.num_ranks_per_node
+    grid = torch.tensor(counts_to_me, dtype=torch.int64, device=device).view(num_nodes, size)  # [m, f]
+    source = torch.arange(topology.num_ranks, device=device).view(num_nodes, size).t().reshape(-1)
+    source_of_row = torch.repeat_interleave(source, grid.t().reshape(-1))
+    return torch.argsort(source_of_row, stable=True), grid.sum(0).tolist()
+
+
+class InternodePath:
+    """The torch backend's normal mode across nodes; the Buffer attaches it as `TorchBackend.internode`.
+
+    `hierarchical` (default True) selects the two-leg path for fresh dispatches; False keeps the flat
+    all-to-all (the tests' and benchmarks' baseline: same outputs). A cached dispatch or a combine
+    follows its handle: an `InternodeDispatchHandle` takes the two legs, a `DispatchHandle` the flat
+    path. `last_path` says which ran last; `last_network_rows` and `last_network_bytes` count the rows
+    (and their packed bytes) this rank's last hierarchical call sent to other nodes.
+    """
+
+    def __init__(self, backend: TorchBackend, topology: NodeTopology) -> None:
+        if topology.num_nodes < 2:
+            raise ValueError(f"topology: the internode path needs more than one node, got {topology}")
+        self.backend = backend
+        self.topology = topology
+        self.groups = create_node_groups(backend.group, topology)
+        self.hierarchical = True
+        self.last_path: Optional[str] = None
+        self.last_network_rows = 0
+        self.last_network_bytes = 0
+
+    def takes(self, handle: Optional[tuple] = None) -> bool:
+        """Whether this call runs the two legs (fresh dispatch: `hierarchical`; otherwise the handle's kind)."""
+        two_legs = self.hierarchical if handle is None else len(handle) == len(InternodeDispatchHandle._fields)
+        self.last_path = "hierarchical" if two_legs else "flat"
+        return two_legs
+
+    def destroy(self) -> None:
+        for group in self.groups.created:
+            dist.destroy_process_group(group)
+        self.groups = NodeGroups(None, None, ())
+
+    def _count_network(self, send_counts: list[int], row_bytes: int) -> None:
+        rows = sum(send_counts) - send_counts[self.topology.node]
+        self.last_network_rows, self.last_network_bytes = rows, rows * row_bytes
+
+    # ------------------------------------------------------------------ the two legs
+
+    def _to_rails(self, rows: torch.Tensor, to_node: torch.Tensor, from_nodes: list[int]) -> torch.Tensor:
+        """Network leg: rows (node-major) to the rail rank of each node; returns the rows received."""
+        send_counts = to_node.sum(0).tolist()
+        self._count_network(send_counts, rows.size(1))
+        return _exchange(rows, send_counts, from_nodes, self.groups.rail)
+
+    def _forward(self, rail_rows: torch.Tensor, forward: torch.Tensor, counts_to_me: list[int]) -> torch.Tensor:
+        """Node leg: each rail row to the local ranks `forward [N_rail, L]` names; returns the received rows in
+        the final (source-rank-major) order."""
+        _, row = routing.send_order(forward)
+        order, from_forwarders = _arrival_order(counts_to_me, self.topology, rail_rows.device)
+        received = _exchange(rail_rows[row], forward.sum(0).tolist(), from_forwarders, self.groups.node)
+        return received[order]
+
+    # ------------------------------------------------------------------ normal mode
+
+    def dispatch(self, request: DispatchRequest) -> DispatchResult:
+        x, x_scales, topk_idx, topk_weights = request.x, request.x_scales, request.topk_idx, request.topk_weights
+        num_tokens_per_rank, is_token_in_rank = request.num_tokens_per_rank, request.is_token_in_rank
+        num_tokens_per_expert, config = request.num_tokens_per_expert, request.config
+        expert_alignment, num_worst_tokens = request.expert_alignment, request.num_worst_tokens
+        topo, device = self.topology, x.device
+        num_ranks, num_nodes, me = topo.num_ranks, topo.num_nodes, topo.rank
+        num_experts, num_channels = num_tokens_per_expert.numel(), config.num_channels
+        num_local = num_experts // num_ranks
+        to_node = node_mask(is_token_in_rank, topo.num_ranks_per_node)
+        channel_prefix = routing.channel_prefix_matrix(is_token_in_rank, num_channels)
+        rdma_channel_prefix = routing.channel_prefix_matrix(to_node, num_channels)
+
+        # Notify: every rank learns all send counts, expert counts and channel prefixes, per rank and per node.
+        header = torch.cat([
+            num_tokens_per_rank.to(device=device, dtype=torch.int64),
+            num_tokens_per_expert.to(device=device, dtype=torch.int64),
+            channel_prefix.to(device=device, dtype=torch.int64).reshape(-1),
+            rdma_channel_prefix.to(device=device, dtype=torch.int64).reshape(-1),
+            torch.tensor([num_worst_tokens], dtype=torch.int64, device=device),
+        ])
+        table = self.backend._all_gather_rows(header)
+        rank_columns = num_ranks + num_experts
+        send_matrix = table[:, :num_ranks]
+        expert_counts = table[:, num_ranks:rank_columns]
+        sender_channel_prefix = table[:, rank_columns:rank_columns + num_ranks * num_channels].view(
+            num_ranks, num_ranks, num_channels)[:, me]
+        rail_sources = topo.rail_ranks(topo.local_rank)
+        sender_rdma_prefix = table[rail_sources, rank_columns + num_ranks * num_channels:-1].view(
+            num_nodes, num_nodes, num_channels)[:, topo.node]  # [source node, C]
+        self.backend._check_worst_tokens(send_matrix.sum(0).tolist(), table[:, -1].tolist())
+        recv_rdma_rank_prefix_sum = sender_rdma_prefix[:, -1].cumsum(0).to(torch.int32)
+
+        # Network leg: each token once per destination node, with the node's slice of its rank mask.
+        dest_node, token = routing.send_order(to_node)
+        payload = [x] + ([x_scales] if x_scales is not None else [])
+        if topk_idx is not None:
+            payload += [topk_idx] + ([topk_weights] if topk_weights is not None else [])
+        payload.append(torch.arange(x.size(0), dtype=torch.int32, device=device))
+        codec = _RowCodec.like(payload)
+        in_node = is_token_in_rank.reshape(x.size(0), num_nodes, topo.num_ranks_per_node)[token, dest_node]
+        rows = torch.cat([codec.pack(payload, token), in_node.to(torch.uint8)], dim=1)
+        rail_rows = self._to_rails(rows, to_node, sender_rdma_prefix[:, -1].tolist())
+
+        # Node leg: the rail rank forwards each row to the ranks of its node that need it.
+        forward = rail_rows[:, codec.row_bytes:].bool()
+        received = codec.unpack(self._forward(rail_rows[:, :codec.row_bytes], forward, send_matrix[:, me].tolist()))
+
+        num_rows = num_worst_tokens if num_worst_tokens > 0 else int(send_matrix[:, me].sum())
+        recv_x = _pad_rows(received[0], num_rows, 0)
+        recv_x_scales = _pad_rows(received[1], num_rows, 0) if x_scales is not None else None
+        recv_topk_idx = recv_topk_weights = None
+        if topk_idx is not None:
+            field = 2 if x_scales is not None else 1
+            local_idx, local_weights = routing.localize_topk(
+                received[field], received[field + 1] if topk_weights is not None else None, me, num_local)
+            recv_topk_idx = _pad_rows(local_idx, num_rows, -1)
+            recv_topk_weights = _pad_rows(local_weights, num_rows, 0) if local_weights is not None else None
+        rank_prefix = routing.rank_prefix_matrix(send_matrix).to(device)
+        handle = InternodeDispatchHandle(
+            rank_prefix_matrix=rank_prefix,
+            channel_prefix_matrix=channel_prefix.to(device),
+            recv_channel_prefix_matrix=routing.recv_channel_prefix_matrix(rank_prefix, sender_channel_prefix, me),
+            recv_src_idx=_pad_rows(received[-1], num_rows, -1),
+            is_token_in_rank=is_token_in_rank,
+            send_head=routing.send_head(is_token_in_rank),
+            rdma_channel_prefix_matrix=rdma_channel_prefix.to(device),
+            recv_rdma_channel_prefix_matrix=routing.recv_channel_prefix_matrix(
+                recv_rdma_rank_prefix_sum[:, None], sender_rdma_prefix, 0),
+            recv_rdma_rank_prefix_sum=recv_rdma_rank_prefix_sum,
+            send_rdma_head=routing.send_head(to_node),
+            send_nvl_head=routing.send_head(forward),
+        )
+        per_expert = []
+        if num_worst_tokens == 0:
+            local_counts = expert_counts[:, me * num_local:(me + 1) * num_local]
+            per_expert = routing.recv_tokens_per_expert(local_counts, expert_alignment).tolist()
+        return DispatchResult(recv_x, recv_x_scales, recv_topk_idx, recv_topk_weights, per_expert, handle)
+
+    def cached_dispatch(self, request: DispatchRequest) -> tuple[torch.Tensor, Optional[torch.Tensor]]:
+        x, x_scales = request.x, request.x_scales
+        hdl = InternodeDispatchHandle(*request.handle)
+        to_node = hdl.send_rdma_head >= 0
+        _, token = routing.send_order(to_node)
+        payload = [x] + ([x_scales] if x_scales is not None else [])
+        codec = _RowCodec.like(payload)
+        from_nodes = _counts_from_prefix(hdl.recv_rdma_rank_prefix_sum)
+        rail_rows = self._to_rails(codec.pack(payload, token), to_node, from_nodes)
+        forward = hdl.send_nvl_head[:sum(from_nodes)] >= 0
+        received = codec.unpack(self._forward(rail_rows, forward, _handle_counts(hdl, self.topology.rank)[1]))
+        num_rows = hdl.recv_src_idx.numel()
+        recv_scales = _pad_rows(received[1], num_rows, 0) if x_scales is not None else None
+        return _pad_rows(received[0], num_rows, 0), recv_scales
+
+    def combine(self, request: CombineRequest) -> tuple[torch.Tensor, Optional[torch.Tensor]]:
+        x, topk_weights, bias_0, bias_1 = request.x, request.topk_weights, request.bias_0, request.bias_1
+        hdl = InternodeDispatchHandle(*request.handle)
+        topo, device = self.topology, x.device
+        acc_dtype = torch.float64 if x.dtype == torch.float64 else torch.float32
+
+        # Node leg back: every row to the rail rank that forwarded it (the reverse of the dispatch's order).
+        counts_to_me = _handle_counts(hdl, topo.rank)[1]
+        order, to_forwarders = _arrival_order(counts_to_me, topo, device)
+        arrival = torch.empty_like(order)
+        arrival[order] = torch.arange(order.numel(), device=device)
+        num_real = sum(counts_to_me)
+        payload = [x[:num_real]] + ([topk_weights[:num_real]] if topk_weights is not None else [])
+        codec = _RowCodec.like(payload)
+        from_nodes = _counts_from_prefix(hdl.recv_rdma_rank_prefix_sum)
+        forward = hdl.send_nvl_head[:sum(from_nodes)] >= 0
+        back = codec.unpack(_exchange(codec.pack(payload, arrival), to_forwarders, forward.sum(0).tolist(),
+                                      self.groups.node))
+
+        # The rail rank reduces each token's rows of its node in local-rank order, rounded to x's dtype.
+        local_rank, rail_row = routing.send_order(forward)
+        partials = [_sum_in_rank_order(torch.zeros(forward.size(0), x.size(1), dtype=acc_dtype, device=device),
+                                       back[0], local_rank, rail_row, topo.num_ranks_per_node).to(x.dtype)]
+        if topk_weights is not None:
+            zeros = torch.zeros(forward.size(0), topk_weights.size(1), dtype=torch.float32, device=device)
+            partials.append(_sum_in_rank_order(zeros, back[1], local_rank, rail_row, topo.num_ranks_per_node))
+
+        # Network leg back: one partial row per (token, node); the source adds them in node order.
+        to_node = hdl.send_rdma_head >= 0
+        partial_codec = _RowCodec.like(partials)
+        rows = partial_codec.pack(partials)
+        self._count_network(from_nodes, rows.size(1))
+        node_partials = partial_codec.unpack(_exchange(rows, from_nodes, to_node.sum(0).tolist(), self.groups.rail))
+        dest_node, token = routing.send_order(to_node)
+        combined = torch.zeros(to_node.size(0), x.size(1), dtype=acc_dtype, device=device)
+        for bias in (bias_0, bias_1):
+            if bias is not None:
+                combined += bias.to(acc_dtype)
+        combined = _sum_in_rank_order(combined, node_partials[0], dest_node, token, topo.num_nodes)
+        combined_weights = None
+        if topk_weights is not None:
+            zeros = torch.zeros(to_node.size(0), topk_weights.size(1), dtype=torch.float32, device=device)
+            combined_weights = _sum_in_rank_order(zeros, node_partials[1], dest_node, token, topo.num_nodes)
+        return combined.to(x.dtype), combined_weights
+
+    def reduce_flat(self, acc: torch.Tensor, rows: torch.Tensor, dest: torch.Tensor, token: torch.Tensor,
+                    partial_dtype: torch.dtype) -> torch.Tensor:
+        """The flat path's combine sum with the internode formula: per node, the rows of its ranks in rank
+        order (from zero, in `acc`'s dtype) rounded to `partial_dtype`; then the node partials in node order."""
+        size = self.topology.num_ranks_per_node
+        node_of = dest // size
+        for node in range(self.topology.num_nodes):
+            mine = node_of == node
+            partial = _sum_in_rank_order(torch.zeros_like(acc), rows[mine], dest[mine] - node * size, token[mine],
+                                         size)
+            hit = torch.unique(token[mine])
+            acc.index_add_(0, hit, partial[hit].to(partial_dtype).to(acc.dtype))
+        return acc
