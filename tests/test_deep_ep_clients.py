@@ -162,6 +162,24 @@ def test_alias_distribution_provides_deep_ep_to_fresh_processes(tmp_path: Path) 
     assert result.returncode == 0 and "ok" in result.stdout, result.stdout + result.stderr
 
 
+def test_runner_installs_the_alias_for_a_script_or_module(tmp_path: Path) -> None:
+    """`python -m moe_ep.deep_ep_alias` runs a DeepEP program (script or `-m` module) with its arguments."""
+    (tmp_path / "program.py").write_text(textwrap.dedent("""
+        import sys
+        import deep_ep
+        from deep_ep.utils import EventHandle
+        import moe_ep
+        assert deep_ep.Buffer is moe_ep.Buffer and EventHandle is moe_ep.EventHandle
+        print(__name__, sys.argv[1:])
+    """))
+    env = dict(os.environ, PYTHONPATH=str(REPO))
+    for launch in (["program.py"], ["-m", "program"]):
+        result = subprocess.run([sys.executable, "-m", "moe_ep.deep_ep_alias", *launch, "--flag", "7"], cwd=tmp_path,
+                                env=env, capture_output=True, text=True, timeout=120)
+        assert result.returncode == 0, result.stdout + result.stderr
+        assert result.stdout.strip() == "__main__ ['--flag', '7']"
+
+
 def test_event_handle_waits_like_deepeps() -> None:
     handle = moe_ep.EventHandle()
     assert (handle.event is None) == (not torch.cuda.is_available())
