@@ -237,7 +237,8 @@ def _megatron_fused_a2a(rank: int, world: int) -> int:
         assert torch.equal(recv_x, ref.recv_x) and torch.equal(recv_idx, ref.recv_topk_idx)
         assert torch.equal(recv_probs, ref.recv_topk_weights) and tokens_per_expert.tolist() == ref.per_expert
         # Like Megatron's experts, the loss reads probabilities only at this rank's experts.
-        loss = (recv_x.float() * row_grads[rank].float()).sum() + (recv_probs * prob_grads[rank] * (recv_idx >= 0)).sum()
+        loss = ((recv_x.float() * row_grads[rank].float()).sum()
+                + (recv_probs * prob_grads[rank] * (recv_idx >= 0)).sum())
         loss.backward()
         want_x, want_probs = _dispatch_grads(inputs, refs, rank, row_grads, prob_grads, num_experts)
         assert torch.equal(x.grad, want_x) and torch.equal(probs.grad, want_probs)
@@ -260,7 +261,8 @@ def _megatron_flex_manager(rank: int, world: int) -> None:
 
     hidden, per_rank, topk = 128, 2, 3
     num_experts = per_rank * world
-    mine = make_inputs(53 + world, world, tokens_for((13, 6, 19), world), hidden, num_experts, topk, mask_prob=0.0)[rank]
+    inputs = make_inputs(53 + world, world, tokens_for((13, 6, 19), world), hidden, num_experts, topk, mask_prob=0.0)
+    mine = inputs[rank]
     # The router's dense outputs: probabilities over all experts, non-zero at the top-k.
     dense_probs = torch.zeros(mine.x.size(0), num_experts).scatter(1, mine.topk_idx, mine.topk_weights + 0.05)
     routing_map = dense_probs > 0
@@ -458,8 +460,8 @@ def _sglang_auto_mode(rank: int, world: int) -> None:
     assert torch.equal(recv_ids, ref.recv_topk_idx) and torch.equal(recv_weights, ref.recv_topk_weights)
     want_q, want_scales = fp8.per_token_cast_to_fp8(ref.recv_x)
     assert torch.equal(recv_x[0].view(torch.uint8), want_q.view(torch.uint8)) and torch.equal(recv_x[1], want_scales)
-    combined = client_calls.sglang_normal_combine(deep_ep, buffer, expert_output(fp8.per_token_cast_back(*recv_x), rank),
-                                                  handle, configs[1])
+    expert_out = expert_output(fp8.per_token_cast_back(*recv_x), rank)
+    combined = client_calls.sglang_normal_combine(deep_ep, buffer, expert_out, handle, configs[1])
     seen = [RankInputs(fp8.per_token_cast_back(*fp8.per_token_cast_to_fp8(i.x)), i.topk_idx, i.topk_weights)
             for i in inputs]
     assert torch.equal(combined, combine_reference(seen, rank, num_experts)[0])

@@ -22,6 +22,7 @@ _NOT_PROVIDED = {
 
 def __getattr__(name: str) -> object:
     if name in _NOT_PROVIDED:
-        raise AttributeError(f"deep_ep.{name}: {_NOT_PROVIDED[name]} is not provided by moe_ep, which stands in "
-                             "for DeepEP V1's API (Buffer, Config, EventOverlap, EventHandle); use the client's DeepEP V1 path")
+        raise AttributeError(f"deep_ep.{name}: {_NOT_PROVIDED[name]} is not provided by moe_ep, which stands in for "
+                             "DeepEP V1's API (Buffer, Config, EventOverlap, EventHandle); use the client's DeepEP V1 "
+                             "path")
     raise AttributeError(f"module 'deep_ep' (moe_ep's stand-in for DeepEP V1) has no attribute {name!r}")
