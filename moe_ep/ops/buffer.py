@@ -54,10 +54,21 @@ class Buffer:
         allow_mnnvl: bool = False,
         explicitly_destroy: bool = False,
         backend: str = "auto",
+        *,
         num_ranks_per_node: Optional[int] = None,
+        use_fabric: bool = False,
+        enable_shrink: bool = False,
+        comm: Optional[object] = None,
     ) -> None:
         if backend not in ("auto", "torch", "cuda"):
             raise ValueError(f"backend: expected 'auto', 'torch' or 'cuda', got {backend!r}")
+        # DeepEP's later V1 arguments, passed by name by its clients: fabric memory handles change
+        # nothing here (as allow_mnnvl); rank masking and MPI communicators are not implemented.
+        if enable_shrink:
+            raise ValueError("enable_shrink: DeepEP's shrink mode (masking failed ranks) is not supported; "
+                             "pass enable_shrink=False")
+        if comm is not None:
+            raise ValueError("comm: mpi4py communicators are not supported; pass a torch.distributed group")
         if not dist.is_initialized():
             raise RuntimeError("group: torch.distributed is not initialized; call init_process_group first")
         for name, value in (("num_nvl_bytes", num_nvl_bytes), ("num_rdma_bytes", num_rdma_bytes)):
@@ -72,6 +83,7 @@ class Buffer:
         self.num_qps_per_rank = num_qps_per_rank
         self.allow_nvlink_for_low_latency_mode = allow_nvlink_for_low_latency_mode
         self.allow_mnnvl = allow_mnnvl
+        self.use_fabric = use_fabric
         self.explicitly_destroy = explicitly_destroy
         self.backend = backend
         self._streams = CommStreams()
