@@ -4,4 +4,6 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 EXTRAS=test,examples bash scripts/setup.sh
+# The DeepEP clients whose own code tests/test_deep_ep_clients.py runs, without their heavy dependencies.
+"${PYTHON:-python3}" -m pip install -q --no-deps -r tests/clients-requirements.txt
 "${PYTHON:-python3}" -m pytest tests -q "$@"
