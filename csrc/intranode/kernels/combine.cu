@@ -1,4 +1,4 @@
-// Intranode combine. Two paths in one kernel (api.cuh, launch_combine): the staged one
+// Intranode combine. Two paths in one kernel (intranode/api.cuh, launch_combine): the staged one
 // (combine_staged.cuh) when every owner's staging area fits, else the rings below.
 //
 // Rings: one block per dispatch channel, the channel's token range of every rank. The
@@ -10,9 +10,9 @@
 // senders make progress while its reducers wait for theirs.
 #include <algorithm>
 
-#include "combine_reduce.cuh"
-#include "combine_staged.cuh"
-#include "pipeline.cuh"
+#include "intranode/kernels/combine_reduce.cuh"
+#include "intranode/kernels/combine_staged.cuh"
+#include "common/pipeline.cuh"
 
 namespace moe_ep::kernels {
 

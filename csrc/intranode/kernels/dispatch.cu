@@ -7,7 +7,7 @@
 // outputs.
 #include <algorithm>
 
-#include "pipeline.cuh"
+#include "common/pipeline.cuh"
 
 namespace moe_ep::kernels {
 

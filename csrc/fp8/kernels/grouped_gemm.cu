@@ -18,8 +18,8 @@
 #include <cuda_bf16.h>
 #include <cudaTypedefs.h>
 
-#include "api.cuh"
-#include "common.cuh"
+#include "fp8/api.cuh"
+#include "common/common.cuh"
 
 namespace moe_ep::kernels {
 

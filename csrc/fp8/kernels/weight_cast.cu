@@ -7,8 +7,8 @@
 #include <cuda_bf16.h>
 #include <cuda_fp8.h>
 
-#include "api.cuh"
-#include "common.cuh"
+#include "fp8/api.cuh"
+#include "common/common.cuh"
 
 namespace moe_ep::kernels {
 

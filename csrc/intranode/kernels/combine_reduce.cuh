@@ -6,7 +6,7 @@
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
 
-#include "common.cuh"
+#include "common/common.cuh"
 
 namespace moe_ep::kernels {
 

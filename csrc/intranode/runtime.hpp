@@ -6,7 +6,7 @@
 #include <string>
 #include <vector>
 
-#include "kernels/api.cuh"
+#include "intranode/api.cuh"
 
 namespace moe_ep {
 

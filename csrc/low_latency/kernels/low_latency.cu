@@ -23,10 +23,10 @@
 #include <cuda_bf16.h>
 #include <cuda_fp8.h>
 
-#include "common.cuh"
-#include "low_latency.cuh"
+#include "common/common.cuh"
+#include "low_latency/api.cuh"
 
-#ifdef MOE_EP_WITH_NVSHMEM
+#ifndef MOE_EP_LL_P2P_ONLY
 #include <nvshmem.h>
 #include <nvshmemx.h>
 #endif
@@ -75,7 +75,7 @@ MOE_EP_DEVICE void add_wait(int64_t* stats, int rank, uint64_t waited_ns) {
 
 // ------------------------------------------------------------------ transport to peers without P2P
 
-#ifdef MOE_EP_WITH_NVSHMEM
+#ifndef MOE_EP_LL_P2P_ONLY
 // NVSHMEM delivers the row, then its signal. `staged` must be symmetric memory written by this warp. Out of
 // line: peers without P2P are the cold path, and inlined into the dispatch loop it made the kernel spill.
 __device__ __noinline__ void put_row_with_signal(uint8_t* sym_dst, const uint8_t* staged, size_t bytes,
@@ -91,8 +91,8 @@ MOE_EP_DEVICE void put_signal(uint64_t* sym_signal, uint64_t signal, int pe) {
 
 MOE_EP_DEVICE void complete_puts() { nvshmem_quiet(); }
 #else
-// Without NVSHMEM's device library (the P2P-only module, whose runtime requires every peer mapped, and
-// the compile check) peers are only ever written with direct stores.
+// MOE_EP_LL_P2P_ONLY: without NVSHMEM's device library (the P2P-only module, whose runtime requires every
+// peer mapped, and the compile check) peers are only ever written with direct stores.
 MOE_EP_DEVICE void put_row_with_signal(uint8_t*, const uint8_t*, size_t, uint64_t*, uint64_t, int) { __trap(); }
 MOE_EP_DEVICE void put_signal(uint64_t*, uint64_t, int) { __trap(); }
 MOE_EP_DEVICE void complete_puts() {}

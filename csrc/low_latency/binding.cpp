@@ -2,15 +2,16 @@
 // low-latency mode (argument checks and kernel launches on the current stream).
 // moe_ep/ops/backends/cuda_low_latency.py allocates the outputs and drives the protocol. Built only with
 // NVSHMEM. `_low_latency` is relocatable device code (NVSHMEM's device library needs it) and reaches
-// peers without P2P through NVSHMEM puts; `_low_latency_p2p` is the same source as whole-program code,
-// for groups whose peers are all mapped (one host with P2P): the kernels then use no NVSHMEM device API.
+// peers without P2P through NVSHMEM puts; `_low_latency_p2p` is the same source compiled with
+// MOE_EP_LL_P2P_ONLY as whole-program code, for groups whose peers are all mapped (one host with P2P):
+// the kernels then use no NVSHMEM device API.
 #include <c10/cuda/CUDAStream.h>
 #include <torch/extension.h>
 
 #include <optional>
 
-#include "kernels/low_latency.cuh"
-#include "nvshmem_runtime.hpp"
+#include "low_latency/api.cuh"
+#include "low_latency/nvshmem_runtime.hpp"
 
 namespace moe_ep {
 
@@ -168,7 +169,7 @@ Tensor send_buffer(const NvshmemRuntime& rt, int64_t max_tokens, int64_t hidden,
 
 }  // namespace moe_ep
 
-// TORCH_EXTENSION_NAME: _low_latency, or _low_latency_p2p for the P2P-only build (csrc/p2p/).
+// TORCH_EXTENSION_NAME: _low_latency, or _low_latency_p2p for the P2P-only build (MOE_EP_LL_P2P_ONLY).
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
     namespace ll = moe_ep::kernels::ll;
     using moe_ep::NvshmemRuntime;

@@ -1,13 +1,13 @@
-// The `moe_ep._fp8` extension module: the FP8 expert kernels (csrc/kernels/fp8_gemm.cu: the grouped
-// blockwise FP8 GEMM; csrc/kernels/fp8_cast.cu: the weight cast with its transposed copy), with their
+// The `moe_ep._fp8` extension module: the FP8 expert kernels (kernels/grouped_gemm.cu: the grouped
+// blockwise FP8 GEMM; kernels/weight_cast.cu: the weight cast with its transposed copy), with their
 // argument checks, output allocations and launches on the current stream.
-// A module apart from `moe_ep._C`: NVSHMEM makes `_C` relocatable device code (-rdc), and under -rdc
-// ptxas ignores the GEMM's setmaxnreg register budget and spills its accumulators (2.4x slower).
+// A module of its own, never relocatable device code: under -rdc ptxas ignores the GEMM's setmaxnreg
+// register budget and spills its accumulators (2.4x slower).
 #include <c10/cuda/CUDAGuard.h>
 #include <c10/cuda/CUDAStream.h>
 #include <torch/extension.h>
 
-#include "kernels/api.cuh"
+#include "fp8/api.cuh"
 
 namespace moe_ep {
 

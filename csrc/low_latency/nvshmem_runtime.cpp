@@ -1,4 +1,4 @@
-#include "nvshmem_runtime.hpp"
+#include "low_latency/nvshmem_runtime.hpp"
 
 #include <nvshmem_host.h>
 

@@ -1,5 +1,5 @@
 // get_dispatch_layout: per-rank and per-expert counts and the token-to-rank mask from top-k ids.
-#include "common.cuh"
+#include "common/common.cuh"
 
 namespace moe_ep::kernels {
 

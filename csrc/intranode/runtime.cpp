@@ -1,4 +1,4 @@
-#include "runtime.hpp"
+#include "intranode/runtime.hpp"
 
 #include <chrono>
 #include <cstdlib>

@@ -10,8 +10,8 @@
 // has a ready count at its owner that its sender raises once the chunk's stores have landed.
 #pragma once
 
-#include "combine_reduce.cuh"
-#include "pipeline.cuh"
+#include "intranode/kernels/combine_reduce.cuh"
+#include "common/pipeline.cuh"
 
 namespace moe_ep::kernels {
 

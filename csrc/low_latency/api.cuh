@@ -1,5 +1,6 @@
-// Host entry points of the low-latency (decode) kernels. Plain C++ and CUDA runtime types only, like
-// api.cuh (into which these declarations fold): the torch binding includes this header.
+// Host entry points of the low-latency (decode) kernels, modules moe_ep._low_latency and
+// moe_ep._low_latency_p2p. Plain C++ and CUDA runtime types only: the NVSHMEM runtime and binding.cpp
+// include this header, kernels/ implements it.
 //
 // Protocol. Every rank owns one symmetric buffer (NVSHMEM heap) with two halves, a send region and
 // one acknowledgement word per rank. Operations (dispatches and combines) are numbered in the order
@@ -20,7 +21,7 @@
 #include <cstdint>
 #include <cuda_runtime.h>
 
-#include "api.cuh"
+#include "common/comm.cuh"
 
 namespace moe_ep::kernels::ll {
 

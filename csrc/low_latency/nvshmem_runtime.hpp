@@ -6,7 +6,7 @@
 #include <cstdint>
 #include <string>
 
-#include "kernels/low_latency.cuh"
+#include "low_latency/api.cuh"
 
 namespace moe_ep {
 

@@ -5,7 +5,8 @@
 #include <cstdint>
 #include <cuda_runtime.h>
 
-#include "api.cuh"
+#include "common/comm.cuh"
+#include "intranode/api.cuh"
 
 #define MOE_EP_DEVICE __device__ __forceinline__
 

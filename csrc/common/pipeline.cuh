@@ -10,7 +10,7 @@
 // so neither side can wait on work the other has done but not announced.
 #pragma once
 
-#include "common.cuh"
+#include "common/common.cuh"
 
 namespace moe_ep::kernels {
 

@@ -1,6 +1,6 @@
-// Torch binding of the normal-mode (intranode NVLink) operations: argument checks, output
-// allocation on the current stream, kernel launches and, without num_worst_tokens, the host wait for
-// receive counts.
+// The `moe_ep._C` extension module: torch binding of the normal-mode (intranode NVLink) operations,
+// with their argument checks, output allocation on the current stream, kernel launches and, without
+// num_worst_tokens, the host wait for receive counts.
 #include <c10/cuda/CUDAStream.h>
 #include <torch/extension.h>
 
@@ -10,8 +10,7 @@
 #include <cstring>
 #endif
 
-#include "bindings.hpp"
-#include "runtime.hpp"
+#include "intranode/runtime.hpp"
 
 namespace moe_ep {
 
@@ -352,7 +351,12 @@ py::tuple combine(NvlRuntime& rt, const Tensor& x, const optional<Tensor>& topk_
 
 }  // namespace
 
-void register_intranode(py::module_& m) {
+}  // namespace moe_ep
+
+PYBIND11_MODULE(_C, m) {
+    using moe_ep::NvlRuntime;
+    namespace kernels = moe_ep::kernels;
+    m.doc() = "moe_ep normal-mode (intranode NVLink) kernels and runtime";
     py::class_<NvlRuntime>(m, "NvlRuntime")
         .def(py::init<int, int, int64_t, double>(), py::arg("rank"), py::arg("num_ranks"), py::arg("num_nvl_bytes"),
              py::arg("timeout_s"))
@@ -366,16 +370,14 @@ void register_intranode(py::module_& m) {
         .def("last_combine_path", &NvlRuntime::last_combine_path)
         .def("destroy", &NvlRuntime::destroy)
         .def_property_readonly("data_bytes", &NvlRuntime::data_bytes);
-    m.def("get_dispatch_layout", &get_dispatch_layout);
-    m.def("dispatch", &dispatch);
-    m.def("cached_dispatch", &cached_dispatch);
-    m.def("combine", &combine);
+    m.def("get_dispatch_layout", &moe_ep::get_dispatch_layout);
+    m.def("dispatch", &moe_ep::dispatch);
+    m.def("cached_dispatch", &moe_ep::cached_dispatch);
+    m.def("combine", &moe_ep::combine);
     m.def("handle_bytes", [] { return NvlRuntime::kHandleBytes; });
     m.def("is_sm90_compiled", &kernels::is_sm90_compiled);
 #ifdef MOE_EP_PROFILE
     // Built with MOE_EP_PROFILE=1 only: per-phase timing of the last dispatch and combine kernels.
-    m.def("last_profile", &last_profile, py::arg("runtime"));
+    m.def("last_profile", &moe_ep::last_profile, py::arg("runtime"));
 #endif
 }
-
-}  // namespace moe_ep
