@@ -1,41 +1,38 @@
-// What every communication kernel gets, in plain C++ types: the limits of one NVLink group, the control
-// area of each rank's NVLink buffer, the host-mapped flags through which kernels report, and the
-// context (peers, rank, timeout) passed to every launch. Shared by the normal and low-latency modes.
+// What every communication kernel gets, in plain C++ types: the control area of each rank's NVLink
+// buffer, the host-mapped flags through which kernels report, and the context (peers, rank, timeout)
+// passed to every launch. Shared by the normal and low-latency modes.
 #pragma once
 
 #include <cstdint>
 
+#include "common/constants.h"
+
 namespace moe_ep::kernels {
 
-constexpr int kMaxRanks = 8;
-constexpr int kMaxChannels = 64;
-constexpr int kMaxTopk = 32;
-constexpr int kMaxLocalExperts = 256;
-constexpr int kMaxStages = 32;
-// Normal-mode channels per pair of SMs: `Config.num_sms` SMs give num_sms / 2 * this channels, one block
-// per channel. A dispatch block runs its channel's send pipeline and its receiver warps side by side (one
-// pipeline's per-token chain of latencies cannot keep an SM busy); a combine block its channel's
-// senders and reducers.
-constexpr int kChannelsPerSmPair = 2;
+// `bytes` rounded up to a multiple of kBufferAlignment.
+constexpr int64_t align_buffer_bytes(int64_t bytes) {
+    return (bytes + kBufferAlignment - 1) / kBufferAlignment * kBufferAlignment;
+}
 
 // Control area at the end of every rank's NVLink buffer, in ints. Peers write barrier signals, ring
-// tails/heads and notify slots into it; the owner clears tails/heads between barriers.
+// tails/heads and notify slots into it; the owner clears tails/heads between barriers. Shapes below:
+// R = kNumMaxNvlPeers, C = kNumMaxChannels.
 namespace ctrl {
-constexpr int kBarrierSignal = 0;                          // [kMaxRanks], monotonically increasing
-constexpr int kBarrierEpoch = kMaxRanks;                   // barriers this rank has entered
+constexpr int kBarrierSignal = 0;                                   // [R], monotonically increasing
+constexpr int kBarrierEpoch = kNumMaxNvlPeers;                      // barriers this rank has entered
 // Nonzero while dispatch kernels must move nothing: set by this rank's notify_dispatch from its start
 // until it found every rank's rows within that rank's num_worst_tokens (all ranks reach one verdict).
 constexpr int kDispatchCancelled = kBarrierEpoch + 1;
-constexpr int kTail = 32;                                  // [kMaxChannels][kMaxRanks] written by senders
-constexpr int kHead = kTail + kMaxChannels * kMaxRanks;    // [kMaxChannels][kMaxRanks] written by receivers
-constexpr int kNotify = kHead + kMaxChannels * kMaxRanks;  // [kMaxRanks][kNotifySlot] written by peers
-constexpr int kNotifySlot = kMaxRanks + kMaxChannels + kMaxLocalExperts + 8;
-// Staged combine: rows of each chunk of source r's staging block that have landed, [kMaxRanks][kStagingChunks],
+constexpr int kTail = 32;                                           // [C][R] written by senders
+constexpr int kHead = kTail + kNumMaxChannels * kNumMaxNvlPeers;    // [C][R] written by receivers
+constexpr int kNotify = kHead + kNumMaxChannels * kNumMaxNvlPeers;  // [R][kNotifySlot] written by peers
+constexpr int kNotifySlot = kNumMaxNvlPeers + kNumMaxChannels + kNumMaxLocalExperts + 8;
+// Staged combine: rows of each chunk of source r's staging block that have landed, [R][kStagingChunks],
 // raised by r's senders once their bulk stores completed.
 constexpr int kStagingChunks = 1024;
-constexpr int kStagingReady = kNotify + kMaxRanks * kNotifySlot;
+constexpr int kStagingReady = kNotify + kNumMaxNvlPeers * kNotifySlot;
 // Staged combine: this rank's claim counters, [0] chunks of rows to send, [1] tokens to reduce.
-constexpr int kCombineClaims = kStagingReady + kMaxRanks * kStagingChunks;
+constexpr int kCombineClaims = kStagingReady + kNumMaxNvlPeers * kStagingChunks;
 constexpr int kInts = kCombineClaims + 2;
 constexpr int64_t kBytes = (kInts * 4 + 4095) / 4096 * 4096;
 }  // namespace ctrl
@@ -56,7 +53,7 @@ struct HostFlags {
     int error;       // ErrorCode, 0 while everything is fine
     int error_detail;
     int recv_cancelled;  // written with recv_count: 1 when a num_worst_tokens overflow cancelled the dispatch
-    int expert_counts[kMaxLocalExperts];  // received slots per local expert, aligned (num_worst_tokens == 0 only)
+    int expert_counts[kNumMaxLocalExperts];  // received slots per local expert, aligned (num_worst_tokens == 0 only)
     WorstTokensOverflow overflow;
     int combine_path;  // CombinePath of the latest combine kernel on this rank
 };
@@ -71,8 +68,8 @@ enum ErrorCode : int {
 
 // Base pointers of every rank's NVLink buffer as mapped into this process (own one included).
 struct PeerTable {
-    uint8_t* data[kMaxRanks];
-    int* ctrl[kMaxRanks];
+    uint8_t* data[kNumMaxNvlPeers];
+    int* ctrl[kNumMaxNvlPeers];
 };
 
 // What every communication kernel needs to find its peers and report trouble.

@@ -13,6 +13,8 @@
 namespace moe_ep::kernels {
 
 constexpr unsigned kFullMask = 0xffffffffu;
+// kFp8Max as the float the FP8 casts compute with.
+constexpr float kFp8MaxFloat = kFp8Max;
 
 MOE_EP_DEVICE int ceil_div(int a, int b) { return (a + b - 1) / b; }
 
@@ -331,8 +333,9 @@ MOE_EP_DEVICE bool rank_barrier(const CommContext& comm, volatile int* abort) {
 // the first three during data kernels).
 MOE_EP_DEVICE void clear_ring_counters(const CommContext& comm) {
     int* own = comm.peers.ctrl[comm.rank];
-    for (int i = threadIdx.x; i < 2 * kMaxChannels * kMaxRanks; i += blockDim.x) own[ctrl::kTail + i] = 0;
-    for (int i = threadIdx.x; i < kMaxRanks * ctrl::kStagingChunks + 2; i += blockDim.x) own[ctrl::kStagingReady + i] = 0;
+    for (int i = threadIdx.x; i < 2 * kNumMaxChannels * kNumMaxNvlPeers; i += blockDim.x) own[ctrl::kTail + i] = 0;
+    for (int i = threadIdx.x; i < kNumMaxNvlPeers * ctrl::kStagingChunks + 2; i += blockDim.x)
+        own[ctrl::kStagingReady + i] = 0;
 }
 
 // Ring slots are whole 128-byte lines: NVLink stores that cover only part of a line cost about 30 %

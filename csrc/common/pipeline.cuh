@@ -28,6 +28,8 @@ struct StageRing {
     MOE_EP_DEVICE uint8_t* stage(int i) const { return buffers + static_cast<size_t>(i) * stride; }
 };
 
+// Stages per stage ring (the barrier arrays in its header have this many entries).
+constexpr int kMaxStages = 32;
 constexpr int kStageAlign = 128;
 // Barriers (full, empty), token and mask arrays in front of a pipeline's stage buffers.
 constexpr int kStageRingHeaderBytes = kStageAlign * ((16 * kMaxStages + 8 * kMaxStages + kStageAlign - 1) / kStageAlign);
@@ -138,7 +140,7 @@ template <typename LocalSink>
 MOE_EP_DEVICE void run_storer(const StageRing& ring, const StorerParams& p, const CommContext& comm,
                               const LocalSink& local, volatile int* abort) {
     // pos after stage seq, by seq % (lag + 1); one storer per block
-    __shared__ int s_pos_after[kMaxBulkLag + 1][kMaxRanks];
+    __shared__ int s_pos_after[kMaxBulkLag + 1][kNumMaxNvlPeers];
     const int lane = threadIdx.x & 31;
     const int me = comm.rank;
     const int lag_read = read_lag(ring.num_stages, comm.pipeline_lag);
@@ -146,10 +148,10 @@ MOE_EP_DEVICE void run_storer(const StageRing& ring, const StorerParams& p, cons
     const bool remote_lane = lane < comm.num_ranks && lane != me;
     uint8_t* ring_base = nullptr;
     int* tail_ptr = nullptr;
-    const int* head_ptr = comm.peers.ctrl[me] + ctrl::kHead + p.channel * kMaxRanks + lane;
+    const int* head_ptr = comm.peers.ctrl[me] + ctrl::kHead + p.channel * kNumMaxNvlPeers + lane;
     if (remote_lane) {
         ring_base = comm.peers.data[lane] + ring_offset(p.channel, me, comm.num_ranks, p.ring_slots, p.slot_bytes);
-        tail_ptr = comm.peers.ctrl[lane] + ctrl::kTail + p.channel * kMaxRanks + me;
+        tail_ptr = comm.peers.ctrl[lane] + ctrl::kTail + p.channel * kNumMaxNvlPeers + me;
     }
     int pos = 0, head = 0, published = 0;
     bool ok = true, started = false;
@@ -181,7 +183,7 @@ MOE_EP_DEVICE void run_storer(const StageRing& ring, const StorerParams& p, cons
             ++pos;
         }
         bulk_commit();
-        if (lane < kMaxRanks) s_pos_after[seq % (kMaxBulkLag + 1)][lane] = pos;
+        if (lane < kNumMaxNvlPeers) s_pos_after[seq % (kMaxBulkLag + 1)][lane] = pos;
         __syncwarp();
         if ((mask >> me) & 1) local.extras(stage, token, __shfl_sync(kFullMask, my_pos, me), lane);
         MOE_EP_PROF(t_prof = timing.add(prof::kCopy, t_prof);)

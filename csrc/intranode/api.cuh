@@ -49,12 +49,12 @@ constexpr int kDispatchSendHead = kDispatchLoaders + 1;
 constexpr int kDispatchRecvCopy = kDispatchLoaders + 2;
 // Combine roles: role d is the sender warp for destination d (rings) or sender warp d (staged); the
 // reducer warps share one record (staged: sender warps that turned reducers add to it).
-constexpr int kCombineReducer = kMaxRanks;
+constexpr int kCombineReducer = kNumMaxNvlPeers;
 constexpr int kRecordInt64s = kRoles * kFields;
-constexpr int kKernelInt64s = kMaxChannels * kRecordInt64s;
+constexpr int kKernelInt64s = kNumMaxChannels * kRecordInt64s;
 constexpr int kInt64s = kNumKernels * kKernelInt64s;
 MOE_EP_PROF_HOST_DEVICE constexpr int record(int kernel, int channel, int role) {
-    return (kernel * kMaxChannels + channel) * kRecordInt64s + role * kFields;
+    return (kernel * kNumMaxChannels + channel) * kRecordInt64s + role * kFields;
 }
 }  // namespace prof
 #endif

@@ -32,20 +32,20 @@ int num_device_sms(int device) {
 // Channels of a launch on `num_sms` SMs (kChannelsPerSmPair per SM pair, a block each); every block of
 // the grid must be resident at once.
 int channels_for(const NvlRuntime& rt, int64_t num_sms) {
-    constexpr int max_sms = 2 * kernels::kMaxChannels / kernels::kChannelsPerSmPair;
+    constexpr int max_sms = 2 * kNumMaxChannels / kChannelsPerSmPair;
     TORCH_CHECK_VALUE(num_sms >= 2 && num_sms <= max_sms && num_sms % 2 == 0,
                       "config.num_sms: expected an even number from 2 to ", max_sms, ", got ", num_sms);
     TORCH_CHECK_VALUE(num_sms <= num_device_sms(rt.device()), "config.num_sms: ", num_sms, " exceeds the ",
                       num_device_sms(rt.device()), " SMs of the device");
-    return static_cast<int>(num_sms / 2 * kernels::kChannelsPerSmPair);
+    return static_cast<int>(num_sms / 2 * kChannelsPerSmPair);
 }
 
 // The channel count of a handle's prefix matrices must be one that `channels_for` gives.
 void check_channels(const NvlRuntime& rt, int num_channels) {
-    TORCH_CHECK_VALUE(num_channels % kernels::kChannelsPerSmPair == 0, "handle: the prefix matrices have ",
-                      num_channels, " channels, expected a multiple of ", kernels::kChannelsPerSmPair,
+    TORCH_CHECK_VALUE(num_channels % kChannelsPerSmPair == 0, "handle: the prefix matrices have ",
+                      num_channels, " channels, expected a multiple of ", kChannelsPerSmPair,
                       " (use the handle of a dispatch with the same Config)");
-    channels_for(rt, 2 * num_channels / kernels::kChannelsPerSmPair);
+    channels_for(rt, 2 * num_channels / kChannelsPerSmPair);
 }
 
 // The rings of one kernel must fit into the NVLink buffer.
@@ -81,7 +81,7 @@ py::dict last_profile(const NvlRuntime& rt) {
     py::list dispatch_roles, combine_roles;
     for (int w = 0; w < prof::kDispatchLoaders; ++w) dispatch_roles.append("send_loader" + std::to_string(w));
     for (const char* name : {"send_storer", "send_head", "recv_copy"}) dispatch_roles.append(name);
-    for (int d = 0; d < kernels::kMaxRanks; ++d) combine_roles.append("sender" + std::to_string(d));
+    for (int d = 0; d < kNumMaxNvlPeers; ++d) combine_roles.append("sender" + std::to_string(d));
     combine_roles.append("reducer");
     py::dict out;
     out["fields"] = fields;
@@ -228,7 +228,7 @@ py::tuple dispatch(NvlRuntime& rt, const Tensor& x, const optional<Tensor>& x_sc
     const int R = rt.num_ranks(), C = channels_for(rt, num_sms);
     const int E = static_cast<int>(num_tokens_per_expert.numel());
     const int El = E / R;
-    TORCH_CHECK_VALUE(El <= kernels::kMaxLocalExperts, "num_experts: at most ", kernels::kMaxLocalExperts,
+    TORCH_CHECK_VALUE(El <= kNumMaxLocalExperts, "num_experts: at most ", kNumMaxLocalExperts,
                       " experts per rank, got ", El);
     const int num_topk = topk_idx.has_value() ? static_cast<int>(topk_idx->size(1)) : 0;
     const int num_scales = x_scales.has_value() ? static_cast<int>(x_scales->size(1)) : 0;
@@ -313,7 +313,7 @@ py::tuple combine(NvlRuntime& rt, const Tensor& x, const optional<Tensor>& topk_
     const int C = static_cast<int>(channel_prefix.size(1));
     check_channels(rt, C);
     const int num_topk = topk_weights.has_value() ? static_cast<int>(topk_weights->size(1)) : 0;
-    TORCH_CHECK_VALUE(num_topk <= kernels::kMaxTopk, "topk_weights: at most ", kernels::kMaxTopk, " columns");
+    TORCH_CHECK_VALUE(num_topk <= kNumMaxTopk, "topk_weights: at most ", kNumMaxTopk, " columns");
     const int row_bytes = row_bytes_of(x);
     check_ring_space(rt, C, static_cast<int>(ring_slots), kernels::combine_slot_bytes(row_bytes, num_topk));
     const int64_t num_tokens = is_token_in_rank.size(0);

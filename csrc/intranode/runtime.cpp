@@ -28,8 +28,8 @@ const char* describe(int code) {
 }  // namespace
 
 NvlRuntime::NvlRuntime(int rank, int num_ranks, int64_t num_nvl_bytes, double timeout_s)
-    : rank_(rank), num_ranks_(num_ranks), data_bytes_((num_nvl_bytes + 127) / 128 * 128), timeout_s_(timeout_s) {
-    if (num_ranks < 1 || num_ranks > kernels::kMaxRanks)
+    : rank_(rank), num_ranks_(num_ranks), data_bytes_(kernels::align_buffer_bytes(num_nvl_bytes)), timeout_s_(timeout_s) {
+    if (num_ranks < 1 || num_ranks > kNumMaxNvlPeers)
         throw std::invalid_argument("group: the CUDA backend serves 1 to 8 ranks inside one node, got " +
                                     std::to_string(num_ranks));
     cuda_check(cudaGetDevice(&device_), "cudaGetDevice");

@@ -60,7 +60,7 @@ class NvlRuntime {
     int64_t data_bytes_;
     double timeout_s_;
     uint8_t* base_ = nullptr;
-    uint8_t* peer_bases_[kernels::kMaxRanks] = {};
+    uint8_t* peer_bases_[kNumMaxNvlPeers] = {};
     cudaIpcMemHandle_t ipc_handle_{};
     kernels::HostFlags* flags_ = nullptr;
     kernels::CommContext comm_{};

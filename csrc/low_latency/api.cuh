@@ -41,7 +41,7 @@ enum class Mode : int { kBF16 = 0, kFP8 = 1, kFP8UE8M0 = 2 };
 // acknowledgements, the number of operations each rank has received; then [R] u64 barrier signals,
 // the number of `launch_barrier` calls each rank has made.
 constexpr int64_t barrier_offset(int64_t num_ranks) { return num_ranks * 8; }
-constexpr int64_t persistent_bytes(int64_t num_ranks) { return (num_ranks * 16 + 127) / 128 * 128; }
+constexpr int64_t persistent_bytes(int64_t num_ranks) { return align_buffer_bytes(num_ranks * 16); }
 
 // Byte offsets inside the symmetric buffer for one (max tokens M, hidden H, ranks R, experts E):
 // `acks` and the barrier signals first (see persistent_bytes). Per half:
@@ -51,7 +51,7 @@ constexpr int64_t persistent_bytes(int64_t num_ranks) { return (num_ranks * 16 +
 //  * `data` [E * M] rows of 2H bytes: dispatch: the first R * M, [source rank][token], each token sent
 //    once per rank; combine: the first R * M, [expert rank][token], the partial sums of this rank's
 //    tokens over each rank's experts;
-//  * `meta_flags` [R][M] u64 and `meta` [R][M][kMaxTopk] 8-byte entries (int32 expert id, float
+//  * `meta_flags` [R][M] u64 and `meta` [R][M][kNumMaxTopk] 8-byte entries (int32 expert id, float
 //    weight): combine, the top-k ids and weights of token t of source s, sent to every rank that
 //    hosts one of its experts.
 // Once:
@@ -59,7 +59,7 @@ constexpr int64_t persistent_bytes(int64_t num_ranks) { return (num_ranks * 16 +
 //    rows put through NVSHMEM;
 //  * `rowmap` [R][M][E_local] u64: combine, the packed row of (source, token) in each local expert,
 //    tagged with the operation (written and read by this rank only, inside one send phase);
-//  * `stage` R * M rows of 2H bytes then `stage_meta` [M][kMaxTopk] entries: the combine's staging
+//  * `stage` R * M rows of 2H bytes then `stage_meta` [M][kNumMaxTopk] entries: the combine's staging
 //    area for partial rows and metadata put through NVSHMEM.
 // moe_ep/ops/config.py `low_latency_buffer_bytes` mirrors `total`.
 struct Layout {
@@ -78,9 +78,9 @@ struct Layout {
 };
 
 // Bytes of one combine metadata entry per top-k slot (int32 expert id, float weight) and of one token's
-// metadata (kMaxTopk entries, whatever k is: the layout does not depend on k).
+// metadata (kNumMaxTopk entries, whatever k is: the layout does not depend on k).
 constexpr int kMetaEntryBytes = 8;
-constexpr int kMetaBytes = kMaxTopk * kMetaEntryBytes;
+constexpr int kMetaBytes = kNumMaxTopk * kMetaEntryBytes;
 
 Layout make_layout(int64_t max_tokens, int64_t hidden, int64_t num_ranks, int64_t num_experts);
 

@@ -51,8 +51,8 @@ int64_t check_sizes(const NvshmemRuntime& rt, const Tensor& topk_idx, int64_t ma
     TORCH_CHECK_VALUE(num_experts > 0 && num_experts % num_ranks == 0 && num_experts <= ll::kMaxExperts,
                       "num_experts: expected a multiple of ", num_ranks, " up to ", ll::kMaxExperts, ", got ",
                       num_experts);
-    TORCH_CHECK_VALUE(topk_idx.dim() == 2 && topk_idx.size(1) >= 1 && topk_idx.size(1) <= kernels::kMaxTopk,
-                      "topk_idx: expected [num_tokens, k] with 1 <= k <= ", kernels::kMaxTopk);
+    TORCH_CHECK_VALUE(topk_idx.dim() == 2 && topk_idx.size(1) >= 1 && topk_idx.size(1) <= kNumMaxTopk,
+                      "topk_idx: expected [num_tokens, k] with 1 <= k <= ", kNumMaxTopk);
     check_dense(topk_idx, "topk_idx", at::kLong, {topk_idx.size(0), topk_idx.size(1)}, rt.device());
     TORCH_CHECK_VALUE(topk_idx.size(0) <= max_tokens, "topk_idx: ", topk_idx.size(0),
                       " tokens exceed num_max_dispatch_tokens_per_rank=", max_tokens);
@@ -83,12 +83,13 @@ void dispatch(NvshmemRuntime& rt, const Tensor& x, const Tensor& topk_idx, const
     TORCH_CHECK_VALUE(mode >= 0 && mode <= 2, "mode: expected 0 (bf16), 1 (fp8) or 2 (fp8 ue8m0)");
     const auto dispatch_mode = static_cast<ll::Mode>(mode);
     const bool fp8 = dispatch_mode != ll::Mode::kBF16;
-    TORCH_CHECK_VALUE(!fp8 || hidden % 128 == 0, "x: FP8 needs a hidden size that is a multiple of 128, got ", hidden);
+    TORCH_CHECK_VALUE(!fp8 || hidden % kFp8Block == 0, "x: FP8 needs a hidden size that is a multiple of ", kFp8Block,
+                      ", got ", hidden);
     const int64_t slots = num_ranks * max_tokens;
     check_dense(recv_x, "recv_x", fp8 ? at::kFloat8_e4m3fn : at::kBFloat16, {num_local, slots, hidden}, device);
     TORCH_CHECK_VALUE(recv_scales.has_value() == fp8, "recv_scales: expected exactly with FP8");
     if (fp8) {
-        const int64_t groups = dispatch_mode == ll::Mode::kFP8 ? hidden / 128 : (hidden / 128 + 3) / 4;
+        const int64_t groups = dispatch_mode == ll::Mode::kFP8 ? hidden / kFp8Block : (hidden / kFp8Block + 3) / 4;
         check_tensor(*recv_scales, "recv_scales", dispatch_mode == ll::Mode::kFP8 ? at::kFloat : at::kInt,
                      {num_local, slots, groups}, device);
         TORCH_CHECK_VALUE(recv_scales->strides() == at::IntArrayRef({groups * slots, 1, slots}),

@@ -18,7 +18,8 @@ void cuda_check(cudaError_t err, const char* what) {
 int g_rank = -1;
 int g_num_ranks = -1;
 
-constexpr size_t kBufferAlignment = 4096;
+// The symmetric buffer starts on a page of its own.
+constexpr size_t kSymmetricBufferAlignment = 4096;
 
 }  // namespace
 
@@ -60,7 +61,7 @@ void NvshmemRuntime::init(const std::string& unique_id, int rank, int num_ranks)
 }
 
 NvshmemRuntime::NvshmemRuntime(int rank, int num_ranks, int64_t num_bytes, double timeout_s, bool puts_only)
-    : rank_(rank), num_ranks_(num_ranks), num_bytes_((num_bytes + 127) / 128 * 128), timeout_s_(timeout_s) {
+    : rank_(rank), num_ranks_(num_ranks), num_bytes_(kernels::align_buffer_bytes(num_bytes)), timeout_s_(timeout_s) {
 #ifdef MOE_EP_LL_P2P_ONLY
     if (puts_only)
         throw std::invalid_argument("low-latency mode: the P2P-only module has no put path; "
@@ -71,7 +72,7 @@ NvshmemRuntime::NvshmemRuntime(int rank, int num_ranks, int64_t num_bytes, doubl
                                  " of " + std::to_string(num_ranks));
     if (num_bytes_ <= 0) throw std::invalid_argument("num_rdma_bytes: low-latency mode needs a positive size");
     cuda_check(cudaGetDevice(&device_), "cudaGetDevice");
-    base_ = static_cast<uint8_t*>(nvshmem_align(kBufferAlignment, static_cast<size_t>(num_bytes_)));
+    base_ = static_cast<uint8_t*>(nvshmem_align(kSymmetricBufferAlignment, static_cast<size_t>(num_bytes_)));
     if (base_ == nullptr)
         throw std::runtime_error("nvshmem_align: could not allocate " + std::to_string(num_bytes_) +
                                  " bytes of symmetric memory (num_rdma_bytes)");

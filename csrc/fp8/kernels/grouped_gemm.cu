@@ -25,7 +25,8 @@ namespace moe_ep::kernels {
 
 namespace {
 
-constexpr int kTile = 128;  // rows of a block's tile, the K depth of one stage (the scale block), a column block
+// Rows of a block's tile, the K depth of one stage (one scale block), a column block.
+constexpr int kTile = kFp8Block;
 constexpr int kMathWarpgroups = 2;
 constexpr int kThreads = 128 * (kMathWarpgroups + 1);
 constexpr int kSmemStages = 4 * 48 * 1024;  // shared memory of the stages: 4 of 128 + 256 rows of 128 bytes

@@ -14,10 +14,8 @@ namespace moe_ep::kernels {
 
 namespace {
 
-constexpr int kBlock = 128;
 constexpr int kPiece = 8;
-constexpr int kCastThreads = (kBlock / kPiece) * (kBlock / kPiece);
-constexpr float kFp8Max = 448.0f;
+constexpr int kCastThreads = (kFp8Block / kPiece) * (kFp8Block / kPiece);
 
 // Byte k of row i of an 8x8 byte matrix, transposed: out[k] byte i = in[i] byte k.
 MOE_EP_DEVICE void transpose_8x8(const uint64_t (&in)[kPiece], uint64_t (&out)[kPiece]) {
@@ -33,12 +31,12 @@ MOE_EP_DEVICE void transpose_8x8(const uint64_t (&in)[kPiece], uint64_t (&out)[k
 // Four blocks per SM (at most 64 registers): the rows stay packed BF16 until they are cast, so that
 // enough loads are in flight to keep HBM busy.
 __global__ void __launch_bounds__(kCastThreads, 4) fp8_weight_cast_kernel(const Fp8WeightCastArgs args) {
-    const int blocks_k = args.cols / kBlock, blocks_n = args.rows / kBlock;
+    const int blocks_k = args.cols / kFp8Block, blocks_n = args.rows / kFp8Block;
     const int block_k = blockIdx.x % blocks_k;
     const int block_n = (blockIdx.x / blocks_k) % blocks_n;
     const int64_t matrix = blockIdx.x / (blocks_k * blocks_n);
-    const int row = block_n * kBlock + kPiece * (threadIdx.x / 16);
-    const int col = block_k * kBlock + kPiece * (threadIdx.x % 16);
+    const int row = block_n * kFp8Block + kPiece * (threadIdx.x / 16);
+    const int col = block_k * kFp8Block + kPiece * (threadIdx.x % 16);
 
     int4 packed[kPiece];
     const __nv_bfloat16* w = args.w + matrix * args.w_matrix_stride + col;
@@ -62,7 +60,7 @@ __global__ void __launch_bounds__(kCastThreads, 4) fp8_weight_cast_kernel(const 
     for (int i = 0; i < kCastThreads / 32; ++i) amax = fmaxf(amax, warp_amax[i]);
 
     // The reference's arithmetic: correctly rounded divisions, a product, a clamp, round to nearest even.
-    const float scale = __fdiv_rn(fmaxf(amax, args.amax_floor), kFp8Max);
+    const float scale = __fdiv_rn(fmaxf(amax, args.amax_floor), kFp8MaxFloat);
     const float inverse = __fdiv_rn(1.0f, scale);
     uint64_t piece[kPiece];
 #pragma unroll
@@ -72,8 +70,8 @@ __global__ void __launch_bounds__(kCastThreads, 4) fp8_weight_cast_kernel(const 
 #pragma unroll
         for (int j = 0; j < kPiece / 2; ++j) {
             const float2 x = __bfloat1622float2(pairs[j]);
-            const float2 v = make_float2(fminf(fmaxf(x.x * inverse, -kFp8Max), kFp8Max),
-                                         fminf(fmaxf(x.y * inverse, -kFp8Max), kFp8Max));
+            const float2 v = make_float2(fminf(fmaxf(x.x * inverse, -kFp8MaxFloat), kFp8MaxFloat),
+                                         fminf(fmaxf(x.y * inverse, -kFp8MaxFloat), kFp8MaxFloat));
             const uint64_t pair = __nv_cvt_float2_to_fp8x2(v, __NV_SATFINITE, __NV_E4M3);
             piece[i] |= pair << (16 * j);
         }
@@ -95,7 +93,7 @@ __global__ void __launch_bounds__(kCastThreads, 4) fp8_weight_cast_kernel(const 
 }  // namespace
 
 cudaError_t launch_fp8_weight_cast(const Fp8WeightCastArgs& args, cudaStream_t stream) {
-    const int64_t blocks = int64_t(args.num_matrices) * (args.rows / kBlock) * (args.cols / kBlock);
+    const int64_t blocks = int64_t(args.num_matrices) * (args.rows / kFp8Block) * (args.cols / kFp8Block);
     if (blocks == 0) return cudaSuccess;
     fp8_weight_cast_kernel<<<static_cast<unsigned>(blocks), kCastThreads, 0, stream>>>(args);
     return cudaGetLastError();

@@ -45,8 +45,8 @@ MOE_EP_DEVICE void send_rows(const CombineArgs& a, const StageRing& ring, int fi
     int start, count;
     returned_rows(a, channel, me, comm.num_ranks, dest, start, count);
     uint8_t* ring_base = comm.peers.data[dest] + ring_offset(channel, me, comm.num_ranks, a.ring_slots, slot_bytes);
-    int* tail_ptr = comm.peers.ctrl[dest] + ctrl::kTail + channel * kMaxRanks + me;
-    const int* head_ptr = comm.peers.ctrl[me] + ctrl::kHead + channel * kMaxRanks + dest;
+    int* tail_ptr = comm.peers.ctrl[dest] + ctrl::kTail + channel * kNumMaxNvlPeers + me;
+    const int* head_ptr = comm.peers.ctrl[me] + ctrl::kHead + channel * kNumMaxNvlPeers + dest;
     const bool has_weights = a.topk_weights != nullptr && lane < a.num_topk;
     auto weight_of = [&](int i) {
         return has_weights && i < count ? a.topk_weights[static_cast<size_t>(start + i) * a.num_topk + lane] : 0.0f;
@@ -121,12 +121,12 @@ MOE_EP_DEVICE void send_rows(const CombineArgs& a, const StageRing& ring, int fi
 template <typename T, int kRanks>
 MOE_EP_DEVICE void reduce_channel(const CombineArgs& a, int channel, int first_warp, int slot_bytes,
                                   const CommContext& comm, volatile int* abort) {
-    __shared__ int s_head[2][kMaxRanks];  // consumed ring positions, per chunk parity
+    __shared__ int s_head[2][kNumMaxNvlPeers];  // consumed ring positions, per chunk parity
     const int num_warps = kCombineWarps - first_warp, num_threads = 32 * num_warps;
     const int warp = threadIdx.x / 32 - first_warp, lane = threadIdx.x & 31, thread = threadIdx.x - 32 * first_warp;
     const int R = comm.num_ranks, C = a.num_channels, me = comm.rank;
     MOE_EP_PROF(ProfRole timing; timing.begin(); uint64_t t_prof = timing.start;)
-    if (thread < 2 * kMaxRanks) s_head[thread / kMaxRanks][thread % kMaxRanks] = 0;
+    if (thread < 2 * kNumMaxNvlPeers) s_head[thread / kNumMaxNvlPeers][thread % kNumMaxNvlPeers] = 0;
     asm volatile("bar.sync 1, %0;" ::"r"(num_threads));
     MOE_EP_PROF(t_prof = timing.add(prof::kWaitStage, t_prof);)
 
@@ -135,7 +135,7 @@ MOE_EP_DEVICE void reduce_channel(const CombineArgs& a, int channel, int first_w
     // Lane r: where ring (channel, r) starts in r's block, how far its tail is known, its slots.
     const int chan_start = lane < R && channel > 0 ? a.channel_prefix_matrix[lane * C + channel - 1] : 0;
     const int self_base = me > 0 ? a.rank_prefix_matrix[(me - 1) * R + me] : 0;
-    const int* tail_ptr = comm.peers.ctrl[me] + ctrl::kTail + channel * kMaxRanks + lane;
+    const int* tail_ptr = comm.peers.ctrl[me] + ctrl::kTail + channel * kNumMaxNvlPeers + lane;
     const uint8_t* my_ring =
         comm.peers.data[me] + ring_offset(channel, lane < R ? lane : 0, R, a.ring_slots, slot_bytes);
     int tail_seen = 0, published = 0;
@@ -185,7 +185,7 @@ MOE_EP_DEVICE void reduce_channel(const CombineArgs& a, int channel, int first_w
         if (thread < R && thread != me && *abort == 0) {
             const int head = s_head[parity][thread];
             if (head > published) {
-                st_release_sys(comm.peers.ctrl[thread] + ctrl::kHead + channel * kMaxRanks + me, head);
+                st_release_sys(comm.peers.ctrl[thread] + ctrl::kHead + channel * kNumMaxNvlPeers + me, head);
                 published = head;
             }
         }
@@ -202,7 +202,7 @@ __global__ void __launch_bounds__(kCombineThreads, 1) combine_kernel(CombineArgs
                                                                       int staged_stages, int slot_bytes) {
     extern __shared__ __align__(1024) uint8_t smem[];
     __shared__ volatile int s_abort;
-    __shared__ ChunkDone s_done[kMaxRanks - 1][kMaxStagedSignalLag + 1];
+    __shared__ ChunkDone s_done[kNumMaxNvlPeers - 1][kMaxStagedSignalLag + 1];
     // The handle of a dispatch cancelled by an overflow (its error surfaces at the next call) has
     // prefix matrices that do not match the expert outputs: read nothing.
     if (ld_volatile(comm.peers.ctrl[comm.rank] + ctrl::kDispatchCancelled) != 0) return;
@@ -257,7 +257,7 @@ template <typename T>
 cudaError_t launch_typed(const CombineArgs& args, const CommContext& comm, cudaStream_t stream) {
     if (comm.num_ranks <= 2) return launch_for_ranks<T, 2>(args, comm, stream);
     return comm.num_ranks <= 4 ? launch_for_ranks<T, 4>(args, comm, stream)
-                               : launch_for_ranks<T, kMaxRanks>(args, comm, stream);
+                               : launch_for_ranks<T, kNumMaxNvlPeers>(args, comm, stream);
 }
 
 }  // namespace

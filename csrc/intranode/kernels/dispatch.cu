@@ -135,15 +135,15 @@ MOE_EP_DEVICE void write_send_head(const DispatchArgs& a, int channel, int begin
                                    MOE_EP_PROF(, const CommContext& comm)) {
     const int lane = threadIdx.x & 31;
     MOE_EP_PROF(ProfRole timing; timing.begin(); timing.count(prof::kItems, end > begin ? end - begin : 0);)
-    int running[kMaxRanks];
+    int running[kNumMaxNvlPeers];
 #pragma unroll
-    for (int d = 0; d < kMaxRanks; ++d)
+    for (int d = 0; d < kNumMaxNvlPeers; ++d)
         running[d] = d < num_ranks && channel > 0 ? a.channel_prefix_matrix[d * a.num_channels + channel - 1] : 0;
     for (int base = begin; base < end; base += 32) {
         const int t = base + lane;
         const uint32_t mask = t < end ? token_rank_mask(a.is_token_in_rank, t, num_ranks) : 0;
 #pragma unroll
-        for (int d = 0; d < kMaxRanks; ++d) {
+        for (int d = 0; d < kNumMaxNvlPeers; ++d) {
             if (d >= num_ranks) break;
             const bool hit = (mask >> d) & 1;
             const uint32_t ballot = __ballot_sync(kFullMask, hit);
@@ -185,8 +185,8 @@ MOE_EP_DEVICE void copy_row(const uint8_t* src, uint8_t* dst, int row_bytes, int
 // past it: lane s publishes head s as the minimum over the warps' next rows of source s.
 MOE_EP_DEVICE void run_receiver(const DispatchArgs& a, const SlotLayout& layout, int channel, int slot_bytes, int warp,
                                 const CommContext& comm, volatile int* abort) {
-    __shared__ int s_next[kRecvWarps][kMaxRanks];  // per warp and source: the next row it has not copied
-    __shared__ int s_published[kMaxRanks];
+    __shared__ int s_next[kRecvWarps][kNumMaxNvlPeers];  // per warp and source: the next row it has not copied
+    __shared__ int s_published[kNumMaxNvlPeers];
     const int lane = threadIdx.x & 31;
     const int R = comm.num_ranks, C = a.num_channels, me = comm.rank;
     const bool source_lane = lane < R && lane != me;
@@ -197,14 +197,14 @@ MOE_EP_DEVICE void run_receiver(const DispatchArgs& a, const SlotLayout& layout,
                                         : a.rank_prefix_matrix[lane * R + me];
         count = end - start;
     }
-    const int* tail_ptr = comm.peers.ctrl[me] + ctrl::kTail + channel * kMaxRanks + lane;
-    int* head_ptr = source_lane ? comm.peers.ctrl[lane] + ctrl::kHead + channel * kMaxRanks + me : nullptr;
+    const int* tail_ptr = comm.peers.ctrl[me] + ctrl::kTail + channel * kNumMaxNvlPeers + lane;
+    int* head_ptr = source_lane ? comm.peers.ctrl[lane] + ctrl::kHead + channel * kNumMaxNvlPeers + me : nullptr;
     const uint8_t* my_ring = comm.peers.data[me] + ring_offset(channel, lane < R ? lane : 0, R, a.ring_slots, slot_bytes);
     volatile int* next_of = &s_next[0][0];
     volatile int* published = s_published;
     int next = warp, tail_seen = 0;
-    if (lane < kMaxRanks) {
-        next_of[warp * kMaxRanks + lane] = next;
+    if (lane < kNumMaxNvlPeers) {
+        next_of[warp * kNumMaxNvlPeers + lane] = next;
         if (warp == 0) published[lane] = 0;
     }
     asm volatile("bar.sync 2, %0;" ::"r"(32 * kRecvWarps));
@@ -242,14 +242,14 @@ MOE_EP_DEVICE void run_receiver(const DispatchArgs& a, const SlotLayout& layout,
             }
             if ((ready >> lane) & 1) next += kRecvWarps;
             __syncwarp();  // every lane's loads of the rows returned before their slots are released
-            if (lane < kMaxRanks) next_of[warp * kMaxRanks + lane] = next;
+            if (lane < kNumMaxNvlPeers) next_of[warp * kNumMaxNvlPeers + lane] = next;
             MOE_EP_PROF(t_prof = timing.add(prof::kCopy, t_prof);)
         }
         // Head of source s: rows below every warp's next row are copied. An idle warp publishes what it
         // sees too, so that the last copy of a source is announced even if its warp missed another's.
         if (source_lane) {
             int head = count;
-            for (int w = 0; w < kRecvWarps; ++w) head = min(head, next_of[w * kMaxRanks + lane]);
+            for (int w = 0; w < kRecvWarps; ++w) head = min(head, next_of[w * kNumMaxNvlPeers + lane]);
             const int last = published[lane];
             if (head > last && (ready == 0 || head == count || head - last >= a.publish_every)) {
                 if (atomicMax(const_cast<int*>(published) + lane, head) < head) red_max_relaxed_sys(head_ptr, head);

@@ -48,7 +48,7 @@ MOE_EP_DEVICE void report_overflow(HostFlags* flags, const WorstTokensOverflow& 
 }
 
 __global__ void __launch_bounds__(kNotifyThreads, 1) notify_dispatch_kernel(NotifyArgs a, CommContext comm) {
-    __shared__ int s_prefix[kMaxRanks * kMaxChannels];  // [dest][channel], counts then inclusive prefix
+    __shared__ int s_prefix[kNumMaxNvlPeers * kNumMaxChannels];  // [dest][channel], counts then inclusive prefix
     __shared__ volatile int s_abort;
     const int R = comm.num_ranks, C = a.num_channels, El = a.num_local_experts, me = comm.rank;
     const int warp = threadIdx.x / 32, lane = threadIdx.x % 32, num_warps = blockDim.x / 32;
@@ -63,24 +63,24 @@ __global__ void __launch_bounds__(kNotifyThreads, 1) notify_dispatch_kernel(Noti
     for (int c = warp; c < C; c += num_warps) {
         int begin, end;
         channel_range(a.num_tokens, C, c, begin, end);
-        int counts[kMaxRanks] = {};
+        int counts[kNumMaxNvlPeers] = {};
         for (int t = begin + lane; t < end; t += 32) {
             const uint32_t mask = token_rank_mask(a.is_token_in_rank, t, R);
 #pragma unroll
-            for (int d = 0; d < kMaxRanks; ++d) counts[d] += (mask >> d) & 1;
+            for (int d = 0; d < kNumMaxNvlPeers; ++d) counts[d] += (mask >> d) & 1;
         }
 #pragma unroll
-        for (int d = 0; d < kMaxRanks; ++d) {
+        for (int d = 0; d < kNumMaxNvlPeers; ++d) {
             const int total = warp_sum(counts[d]);
-            if (lane == 0 && d < R) s_prefix[d * kMaxChannels + c] = total;
+            if (lane == 0 && d < R) s_prefix[d * kNumMaxChannels + c] = total;
         }
     }
     __syncthreads();
     if (threadIdx.x < R) {
         int running = 0;
         for (int c = 0; c < C; ++c) {
-            running += s_prefix[threadIdx.x * kMaxChannels + c];
-            s_prefix[threadIdx.x * kMaxChannels + c] = running;
+            running += s_prefix[threadIdx.x * kNumMaxChannels + c];
+            s_prefix[threadIdx.x * kNumMaxChannels + c] = running;
             a.channel_prefix_matrix[threadIdx.x * C + c] = running;
         }
     }
@@ -94,7 +94,7 @@ __global__ void __launch_bounds__(kNotifyThreads, 1) notify_dispatch_kernel(Noti
         const int d = i / slot_ints, k = i % slot_ints;
         int v;
         if (k < R) v = a.num_tokens_per_rank[k];
-        else if (k < R + C) v = s_prefix[d * kMaxChannels + (k - R)];
+        else if (k < R + C) v = s_prefix[d * kNumMaxChannels + (k - R)];
         else if (k < R + C + El) v = a.num_tokens_per_expert[d * El + (k - R - C)];
         else v = a.num_worst_tokens;
         comm.peers.ctrl[d][ctrl::kNotify + me * ctrl::kNotifySlot + k] = v;

@@ -39,7 +39,6 @@ constexpr int kWarps = kBlockThreads / 32;
 constexpr int kCopyUnroll = 8;  // 16-byte loads in flight per lane when copying a row
 constexpr int kCastUnroll = 4;  // 32-byte steps in flight per lane when casting a row to FP8
 constexpr int kReduceBatch = 8;  // top-k rows loaded together by the combine reduction
-constexpr float kFp8Max = 448.0f;
 constexpr float kAmaxFloor = 1e-4f;
 
 // ------------------------------------------------------------------ signals
@@ -156,7 +155,7 @@ MOE_EP_DEVICE float pow2_ceil(float s) {
     return __uint_as_float(exponent << 23);
 }
 
-MOE_EP_DEVICE float clamp_fp8(float v) { return fminf(fmaxf(v, -kFp8Max), kFp8Max); }
+MOE_EP_DEVICE float clamp_fp8(float v) { return fminf(fmaxf(v, -kFp8MaxFloat), kFp8MaxFloat); }
 
 // Casts one BF16 row to e4m3 followed by its scales, bit for bit like fp8.per_token_cast_to_fp8:
 // amax floored at 1e-4, scale = amax / 448 (rounded to a power of two with round_scale), q =
@@ -196,7 +195,7 @@ MOE_EP_DEVICE void cast_row_fp8(const int4* x_row, const RowFanOut& to, int hidd
             }
 #pragma unroll
             for (int offset = 4; offset > 0; offset >>= 1) amax = fmaxf(amax, __shfl_xor_sync(kFullMask, amax, offset));
-            float scale = __fdiv_rn(fmaxf(amax, kAmaxFloor), kFp8Max);
+            float scale = __fdiv_rn(fmaxf(amax, kAmaxFloor), kFp8MaxFloat);
             if (round_scale) scale = pow2_ceil(scale);
             const float inv = __frcp_rn(scale);
             uint32_t packed[4];
@@ -228,7 +227,7 @@ MOE_EP_DEVICE void cast_row_fp8(const int4* x_row, const RowFanOut& to, int hidd
 
 // Bytes of one dispatch message: the row, then (FP8) its scales.
 MOE_EP_DEVICE int message_bytes(Mode mode, int hidden) {
-    const int groups = hidden / 128;
+    const int groups = hidden / kFp8Block;
     switch (mode) {
         case Mode::kBF16: return hidden * 2;
         case Mode::kFP8: return hidden + groups * 4;
@@ -573,7 +572,7 @@ template <Mode kMode>
 MOE_EP_DEVICE void dispatch_recv(const DispatchArgs& a, const Context& c, const Layout& L, const Phase& op) {
     const int num_ranks = c.comm.num_ranks;
     const int64_t slots = static_cast<int64_t>(num_ranks) * a.max_tokens;  // rows per local expert
-    const int groups = a.hidden / 128;
+    const int groups = a.hidden / kFp8Block;
     const int words = (groups + 3) / 4;
     const int num_pairs = a.num_experts;  // (local expert, source)
     const WarpSchedule ws = WarpSchedule::make();
@@ -911,7 +910,7 @@ MOE_EP_DEVICE void combine_send(const CombineArgs& a, const Context& c, const La
 
 // out[t] = bf16(sum over the ranks hosting t's valid slots, ascending, of float(P[r, t])) in float32.
 MOE_EP_DEVICE void combine_recv(const CombineArgs& a, const Context& c, const Layout& L, const Phase& op) {
-    __shared__ int s_ranks[kMaxTopk];
+    __shared__ int s_ranks[kNumMaxTopk];
     __shared__ int s_count;
     __shared__ int s_failed;
     const int num_ranks = c.comm.num_ranks;
@@ -1027,7 +1026,6 @@ cudaError_t launch_dispatch_mode(const DispatchArgs& args, const Context& ctx, c
 }  // namespace
 
 Layout make_layout(int64_t max_tokens, int64_t hidden, int64_t num_ranks, int64_t num_experts) {
-    const auto align = [](int64_t bytes) { return (bytes + 127) / 128 * 128; };
     Layout layout{};
     layout.row_bytes = hidden * 2;
     const int64_t rows = num_experts * max_tokens;  // the local experts of all ranks are the global experts
@@ -1036,24 +1034,24 @@ Layout make_layout(int64_t max_tokens, int64_t hidden, int64_t num_ranks, int64_
     int64_t offset = persistent_bytes(num_ranks);
     for (int half = 0; half < 2; ++half) {
         layout.counts[half] = offset;
-        offset += align(num_experts * 8);
+        offset += align_buffer_bytes(num_experts * 8);
         layout.flags[half] = offset;
-        offset += align(rows * 8);
+        offset += align_buffer_bytes(rows * 8);
         layout.data[half] = offset;
-        offset += align(rows * layout.row_bytes);
+        offset += align_buffer_bytes(rows * layout.row_bytes);
         layout.meta_flags[half] = offset;
-        offset += align(tokens * 8);
+        offset += align_buffer_bytes(tokens * 8);
         layout.meta[half] = offset;
-        offset += align(tokens * kMetaBytes);
+        offset += align_buffer_bytes(tokens * kMetaBytes);
     }
     layout.send = offset;
-    offset += align(rows * layout.row_bytes);
+    offset += align_buffer_bytes(rows * layout.row_bytes);
     layout.rowmap = offset;
-    offset += align(rows * 8);
+    offset += align_buffer_bytes(rows * 8);
     layout.stage = offset;
-    offset += align(tokens * layout.row_bytes);
+    offset += align_buffer_bytes(tokens * layout.row_bytes);
     layout.stage_meta = offset;
-    offset += align(max_tokens * kMetaBytes);
+    offset += align_buffer_bytes(max_tokens * kMetaBytes);
     layout.total = offset;
     return layout;
 }
