@@ -79,7 +79,9 @@ struct CommContext {
     int num_ranks;
     HostFlags* flags;  // device pointer of the mapped host flags
     uint64_t timeout_ns;
-    int pipeline_lag;  // bulk stores left in flight per storer thread; 0 = half the stages
+    // Config.pipeline_lag: bulk stores a sender leaves in flight before it waits for the oldest, 0 for
+    // each kernel's default (the dispatch storer: half its stages; the staged combine: kStagedSignalLag).
+    int pipeline_lag;
 #ifdef MOE_EP_PROFILE
     int64_t* profile;  // device buffer of prof::kInt64s values (intranode/api.cuh); null disables recording
 #endif

@@ -4,6 +4,7 @@
 #include <c10/cuda/CUDAStream.h>
 #include <torch/extension.h>
 
+#include <limits>
 #include <optional>
 #ifdef MOE_EP_PROFILE
 #include <chrono>
@@ -60,6 +61,13 @@ void check_ring_space(const NvlRuntime& rt, int num_channels, int ring_slots, in
 }
 
 const int* int_ptr(const Tensor& t) { return t.data_ptr<int>(); }
+
+// Config.pipeline_lag, checked: bulk stores left in flight per storer thread, 0 for the default.
+int checked_pipeline_lag(int64_t pipeline_lag) {
+    TORCH_CHECK_VALUE(pipeline_lag >= 0 && pipeline_lag <= std::numeric_limits<int>::max(),
+                      "config.pipeline_lag: expected 0 (half the stages) or a positive count, got ", pipeline_lag);
+    return static_cast<int>(pipeline_lag);
+}
 
 #ifdef MOE_EP_PROFILE
 // Host side of the profile: channels of the last launch of each kernel, and how long the last
@@ -223,8 +231,9 @@ py::tuple dispatch(NvlRuntime& rt, const Tensor& x, const optional<Tensor>& x_sc
                    const optional<Tensor>& topk_idx, const optional<Tensor>& topk_weights,
                    const Tensor& num_tokens_per_rank, const Tensor& is_token_in_rank,
                    const Tensor& num_tokens_per_expert, int64_t expert_alignment, int64_t num_worst_tokens,
-                   int64_t num_sms, int64_t send_chunk, int64_t ring_slots) {
+                   int64_t num_sms, int64_t send_chunk, int64_t ring_slots, int64_t pipeline_lag) {
     rt.check_usable();
+    const int lag = checked_pipeline_lag(pipeline_lag);
     const int R = rt.num_ranks(), C = channels_for(rt, num_sms);
     const int E = static_cast<int>(num_tokens_per_expert.numel());
     const int El = E / R;
@@ -276,7 +285,7 @@ py::tuple dispatch(NvlRuntime& rt, const Tensor& x, const optional<Tensor>& x_sc
     a.num_topk = num_topk;
     a.num_local_experts = El;
     a.send_head = send_head.data_ptr<int>();
-    launch_check(kernels::launch_dispatch(a, rt.comm(), stream), "dispatch");
+    launch_check(kernels::launch_dispatch(a, rt.comm(lag), stream), "dispatch");
     if (num_worst_tokens > 0) fill_padding(rt, rank_prefix, out, row_bytes, stream);
     return py::make_tuple(out.x, out.scales, out.topk_idx, out.topk_weights, sizes.per_expert, rank_prefix,
                           channel_prefix, recv_channel_prefix, *out.src_idx, send_head);
@@ -284,8 +293,10 @@ py::tuple dispatch(NvlRuntime& rt, const Tensor& x, const optional<Tensor>& x_sc
 
 py::tuple cached_dispatch(NvlRuntime& rt, const Tensor& x, const optional<Tensor>& x_scales,
                           const Tensor& rank_prefix, const Tensor& channel_prefix, const Tensor& recv_channel_prefix,
-                          const Tensor& is_token_in_rank, int64_t num_rows, int64_t send_chunk, int64_t ring_slots) {
+                          const Tensor& is_token_in_rank, int64_t num_rows, int64_t send_chunk, int64_t ring_slots,
+                          int64_t pipeline_lag) {
     rt.check_usable();
+    const int lag = checked_pipeline_lag(pipeline_lag);
     const int C = static_cast<int>(channel_prefix.size(1));
     check_channels(rt, C);
     const int num_scales = x_scales.has_value() ? static_cast<int>(x_scales->size(1)) : 0;
@@ -297,7 +308,7 @@ py::tuple cached_dispatch(NvlRuntime& rt, const Tensor& x, const optional<Tensor
                                                   rank_prefix, out, static_cast<int>(ring_slots),
                                                   static_cast<int>(send_chunk));
     launch_check(kernels::launch_prepare_rings(rt.comm(), stream), "prepare_rings");
-    launch_check(kernels::launch_dispatch(a, rt.comm(), stream), "cached_dispatch");
+    launch_check(kernels::launch_dispatch(a, rt.comm(lag), stream), "cached_dispatch");
 #ifdef MOE_EP_PROFILE
     g_host_profile.channels[kernels::prof::kDispatch] = C;
 #endif
@@ -308,8 +319,10 @@ py::tuple cached_dispatch(NvlRuntime& rt, const Tensor& x, const optional<Tensor
 py::tuple combine(NvlRuntime& rt, const Tensor& x, const optional<Tensor>& topk_weights,
                   const optional<Tensor>& bias_0, const optional<Tensor>& bias_1, const Tensor& rank_prefix,
                   const Tensor& channel_prefix, const Tensor& recv_channel_prefix, const Tensor& is_token_in_rank,
-                  const Tensor& send_head, int64_t send_chunk, int64_t ring_slots, bool staged) {
+                  const Tensor& send_head, int64_t send_chunk, int64_t ring_slots, bool staged,
+                  int64_t pipeline_lag) {
     rt.check_usable();
+    const int lag = checked_pipeline_lag(pipeline_lag);
     const int C = static_cast<int>(channel_prefix.size(1));
     check_channels(rt, C);
     const int num_topk = topk_weights.has_value() ? static_cast<int>(topk_weights->size(1)) : 0;
@@ -342,7 +355,7 @@ py::tuple combine(NvlRuntime& rt, const Tensor& x, const optional<Tensor>& topk_
     a.publish_every = static_cast<int>(send_chunk);
     a.staging_bytes = staged ? rt.data_bytes() : 0;
     launch_check(kernels::launch_prepare_rings(rt.comm(), stream), "prepare_rings");
-    launch_check(kernels::launch_combine(a, rt.comm(), stream), "combine");
+    launch_check(kernels::launch_combine(a, rt.comm(lag), stream), "combine");
 #ifdef MOE_EP_PROFILE
     g_host_profile.channels[kernels::prof::kCombine] = C;
 #endif

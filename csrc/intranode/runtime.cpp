@@ -1,7 +1,6 @@
 #include "intranode/runtime.hpp"
 
 #include <chrono>
-#include <cstdlib>
 #include <cstring>
 #include <stdexcept>
 #include <thread>
@@ -115,10 +114,9 @@ void NvlRuntime::destroy() {
     broken_reason_ = "the buffer was destroyed";
 }
 
-kernels::CommContext NvlRuntime::comm() const {
+kernels::CommContext NvlRuntime::comm(int pipeline_lag) const {
     kernels::CommContext ctx = comm_;
-    const char* lag = std::getenv("MOE_EP_PIPELINE_LAG");
-    ctx.pipeline_lag = lag != nullptr ? std::atoi(lag) : 0;
+    ctx.pipeline_lag = pipeline_lag;
     return ctx;
 }
 

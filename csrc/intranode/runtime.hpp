@@ -29,8 +29,8 @@ class NvlRuntime {
     int num_ranks() const { return num_ranks_; }
     int device() const { return device_; }
     int64_t data_bytes() const { return data_bytes_; }
-    // Launch context; MOE_EP_PIPELINE_LAG (benchmarks) overrides the bulk-store pipelining depth.
-    kernels::CommContext comm() const;
+    // Launch context with CommContext::pipeline_lag (Config.pipeline_lag, 0 for the kernels' defaults).
+    kernels::CommContext comm(int pipeline_lag = 0) const;
 
     // Throws if the buffer is unusable: destroyed, not yet connected, or a kernel reported an error. Throws
     // std::invalid_argument for a num_worst_tokens overflow that the notify kernel reported (visible once

@@ -21,7 +21,7 @@ constexpr int kStagedStageBytes = 16384;  // a sender stage holds as many slots 
 constexpr int kStagedMinSenders = 3;
 constexpr int kStagedStoreLag = 3;        // bulk stores whose stage may still be unread when the warp moves on
 // Bulk stores a sender warp leaves in flight before it waits for the oldest to land and raises its chunk's
-// ready count (CommContext::pipeline_lag overrides it, up to kMaxStagedSignalLag): about 40 KB per warp
+// ready count (Config.pipeline_lag overrides it, up to kMaxStagedSignalLag): about 40 KB per warp
 // at hidden 7168, megabytes per GPU. At two ranks 1-3 beat 6 and 12 (s19-3).
 constexpr int kStagedSignalLag = 3;
 constexpr int kMaxStagedSignalLag = 12;
