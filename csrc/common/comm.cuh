@@ -83,7 +83,7 @@ struct CommContext {
     // each kernel's default (the dispatch storer: half its stages; the staged combine: kStagedSignalLag).
     int pipeline_lag;
 #ifdef MOE_EP_PROFILE
-    int64_t* profile;  // device buffer of prof::kInt64s values (intranode/api.cuh); null disables recording
+    int64_t* profile;  // device buffer of prof::kInt64s values (common/profile.h); null disables recording
 #endif
 };
 

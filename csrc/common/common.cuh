@@ -6,7 +6,6 @@
 #include <cuda_runtime.h>
 
 #include "common/comm.cuh"
-#include "intranode/api.cuh"
 
 #define MOE_EP_DEVICE __device__ __forceinline__
 
@@ -181,99 +180,6 @@ MOE_EP_DEVICE int read_lag(int num_stages, int requested) {
     return min(requested > 0 ? requested : (num_stages - 1) / 2, min(num_stages - 1, kMaxBulkLag - 4));
 }
 
-#ifdef MOE_EP_PROFILE
-// ------------------------------------------------------------------ profiling (-DMOE_EP_PROFILE)
-
-// `MOE_EP_PROF(statements)` compiles its argument only in profiling builds; without the macro it
-// expands to nothing, so the generated code of a normal build is unchanged.
-#define MOE_EP_PROF(...) __VA_ARGS__
-
-// Per-role accumulator kept in registers by every lane of a warp; `store` writes one record.
-struct ProfRole {
-    uint64_t start = 0, first = 0;
-    uint32_t acc[prof::kFields] = {};  // ns (a role runs for far less than 4 s) and counts
-
-    MOE_EP_DEVICE void begin() { start = global_timer_ns(); }
-    MOE_EP_DEVICE void mark_first() {
-        if (first == 0) first = global_timer_ns();
-    }
-    // Adds the time since `since` to `field`; returns now, so that consecutive phases chain.
-    MOE_EP_DEVICE uint64_t add(int field, uint64_t since) {
-        const uint64_t now = global_timer_ns();
-        acc[field] += static_cast<uint32_t>(now - since);
-        return now;
-    }
-    MOE_EP_DEVICE void count(int field, uint32_t n = 1) { acc[field] += n; }
-
-    // A warp about to work on an item, whose lanes waited `lane_wait` ns each for peers: the warp waited
-    // as long as its slowest lane (kWaitRemote); the rest of the time since `since` went to claims and
-    // metadata loads (kMeta). Counts the item; returns now.
-    MOE_EP_DEVICE uint64_t add_item_after_lane_waits(uint64_t lane_wait, uint64_t since) {
-        const uint64_t now = global_timer_ns();
-        const uint32_t waited = __reduce_max_sync(kFullMask, static_cast<uint32_t>(lane_wait));
-        const uint32_t spent = static_cast<uint32_t>(now - since);
-        acc[prof::kWaitRemote] += waited;
-        acc[prof::kMeta] += spent > waited ? spent - waited : 0;
-        count(prof::kItems);
-        mark_first();
-        return now;
-    }
-
-    // Lanes that did different work (one lane per destination): durations and counts become the
-    // maximum over the lanes (the warp was held while any lane worked), wait events the sum.
-    MOE_EP_DEVICE void reduce_lanes() {
-#pragma unroll
-        for (int f = prof::kWaitStage; f < prof::kSm; ++f) {
-            acc[f] = f == prof::kWaitEvents ? __reduce_add_sync(kFullMask, acc[f]) : __reduce_max_sync(kFullMask, acc[f]);
-        }
-        uint64_t f0 = first == 0 ? ~0ull : first;
-#pragma unroll
-        for (int offset = 16; offset > 0; offset >>= 1) {
-            const uint64_t o = __shfl_xor_sync(kFullMask, f0, offset);
-            f0 = o < f0 ? o : f0;
-        }
-        first = f0 == ~0ull ? 0 : f0;
-    }
-
-    // Lane 0 of the writing warp: the record of (kernel, channel, role). With `shared`, several warps
-    // add into one record (durations and counts summed; warp 0 of them writes the timestamps, the
-    // latest end wins).
-    MOE_EP_DEVICE void store(const CommContext& comm, int kernel, int channel, int role, bool shared = false,
-                             bool timestamps = true) const {
-        if (comm.profile == nullptr || (threadIdx.x & 31) != 0) return;
-        int64_t* rec = comm.profile + prof::record(kernel, channel, role);
-        const uint64_t end = global_timer_ns();
-        if (timestamps) {
-            rec[prof::kStart] = static_cast<int64_t>(start);
-            rec[prof::kFirst] = static_cast<int64_t>(first);
-            uint32_t sm;
-            asm volatile("mov.u32 %0, %%smid;" : "=r"(sm));
-            rec[prof::kSm] = sm;
-        }
-        if (shared) {
-            atomicMax(reinterpret_cast<unsigned long long*>(rec + prof::kEnd), static_cast<unsigned long long>(end));
-            for (int f = prof::kWaitStage; f < prof::kSm; ++f)
-                if (f != prof::kWriters)
-                    atomicAdd(reinterpret_cast<unsigned long long*>(rec + f), static_cast<unsigned long long>(acc[f]));
-            atomicAdd(reinterpret_cast<unsigned long long*>(rec + prof::kWriters), 1ull);
-        } else {
-            rec[prof::kEnd] = static_cast<int64_t>(end);
-            for (int f = prof::kWaitStage; f < prof::kSm; ++f) rec[f] = static_cast<int64_t>(acc[f]);
-            rec[prof::kWriters] = 1;
-        }
-    }
-};
-
-// Clears one kernel's records before its launch.
-inline cudaError_t clear_profile(const CommContext& comm, int kernel, cudaStream_t stream) {
-    if (comm.profile == nullptr) return cudaSuccess;
-    return cudaMemsetAsync(comm.profile + prof::record(kernel, 0, 0), 0, sizeof(int64_t) * prof::kKernelInt64s,
-                           stream);
-}
-#else
-#define MOE_EP_PROF(...)
-#endif
-
 // ------------------------------------------------------------------ errors and timeouts
 
 MOE_EP_DEVICE void report_error(HostFlags* flags, int code, int detail = 0) {
@@ -285,11 +191,18 @@ MOE_EP_DEVICE void report_error(HostFlags* flags, int code, int detail = 0) {
     __threadfence_system();
 }
 
+struct NoStallHook {
+    MOE_EP_DEVICE void operator()() const {}
+};
+
 // Spins until `ready()` holds. Gives up when `*abort` is raised by another warp of the block, or
 // after `timeout_ns` without success: then reports `code`, raises `*abort` and returns false.
-template <typename Ready>
-MOE_EP_DEVICE bool wait_until(Ready&& ready, const CommContext& comm, volatile int* abort, int code) {
+// `stalled()` runs once when the first poll fails (the profiling build's clock counts the stall).
+template <typename Ready, typename StallHook = NoStallHook>
+MOE_EP_DEVICE bool wait_until(Ready&& ready, const CommContext& comm, volatile int* abort, int code,
+                              StallHook stalled = {}) {
     if (ready()) return true;
+    stalled();
     const uint64_t deadline = global_timer_ns() + comm.timeout_ns;
     for (uint32_t spins = 1;; ++spins) {
         if (ready()) return true;

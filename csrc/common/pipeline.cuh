@@ -11,6 +11,7 @@
 #pragma once
 
 #include "common/common.cuh"
+#include "common/phase_clock.cuh"
 
 namespace moe_ep::kernels {
 
@@ -105,18 +106,17 @@ MOE_EP_DEVICE void publish_tail(int* tail_ptr, int pos) {
 // everything written so far, then wait until the receiver frees a slot (`head` follows it). False on
 // timeout or abort.
 MOE_EP_DEVICE bool wait_for_ring_slot(int pos, int ring_slots, int* tail_ptr, const int* head_ptr, int& head,
-                                      int& published, const CommContext& comm, volatile int* abort
-                                      MOE_EP_PROF(, ProfRole& timing, uint64_t& t_prof)) {
+                                      int& published, const CommContext& comm, volatile int* abort,
+                                      PhaseClock& clock) {
     bulk_wait<0>();
-    MOE_EP_PROF(t_prof = timing.add(prof::kCopyWait, t_prof);)
+    clock.lap(prof::kCopyWait);
     publish_tail(tail_ptr, pos);
     published = pos;
-    MOE_EP_PROF(t_prof = timing.add(prof::kPublish, t_prof);
-                if (pos - ld_acquire_sys(head_ptr) >= ring_slots) timing.count(prof::kWaitEvents);)
-    const bool ok = wait_until([&] { return pos - (head = ld_acquire_sys(head_ptr)) < ring_slots; }, comm, abort,
+    clock.lap(prof::kPublish);
+    const bool ok = clock.wait([&] { return pos - (head = ld_acquire_sys(head_ptr)) < ring_slots; }, comm, abort,
                                kErrSendTimeout);
     fence_proxy_async_global();
-    MOE_EP_PROF(t_prof = timing.add(prof::kWaitRemote, t_prof);)
+    clock.lap(prof::kWaitRemote);
     return ok;
 }
 
@@ -134,11 +134,12 @@ struct StorerParams {
 // The sequence of stages ends with a token < 0. Every lane commits one bulk group per stage, so group
 // counts line up with stage sequence numbers: a stage is released once the group `read_lag` stages
 // back has read it, and a tail is published for the stores `done_lag` stages back once they completed
-// (with `publish_together`, the first one for the stores kFirstPublishLag stages back).
+// (with `publish_together`, the first one for the stores kFirstPublishLag stages back). The lanes'
+// phases differ, so `clock` ends with them combined.
 constexpr int kFirstPublishLag = 2;
 template <typename LocalSink>
 MOE_EP_DEVICE void run_storer(const StageRing& ring, const StorerParams& p, const CommContext& comm,
-                              const LocalSink& local, volatile int* abort) {
+                              const LocalSink& local, volatile int* abort, PhaseClock& clock) {
     // pos after stage seq, by seq % (lag + 1); one storer per block
     __shared__ int s_pos_after[kMaxBulkLag + 1][kNumMaxNvlPeers];
     const int lane = threadIdx.x & 31;
@@ -156,16 +157,14 @@ MOE_EP_DEVICE void run_storer(const StageRing& ring, const StorerParams& p, cons
     int pos = 0, head = 0, published = 0;
     bool ok = true, started = false;
     int seq = 0;
-    MOE_EP_PROF(ProfRole timing; timing.begin(); uint64_t t_prof;)
     for (;; ++seq) {
         const int s = seq % ring.num_stages;
-        MOE_EP_PROF(t_prof = global_timer_ns();)
         ok = ok && mbar_wait(ring.full + s, (seq / ring.num_stages) & 1, comm, abort);
         if (!__all_sync(kFullMask, ok)) break;
-        MOE_EP_PROF(t_prof = timing.add(prof::kWaitStage, t_prof); timing.mark_first();)
+        clock.lap(prof::kWaitStage);
         const int token = ring.token[s];
         if (token < 0) break;
-        MOE_EP_PROF(timing.count(prof::kItems);)
+        clock.item();
         const uint32_t mask = ring.mask[s];
         const uint8_t* stage = ring.stage(s);
         const int my_pos = pos;
@@ -174,9 +173,9 @@ MOE_EP_DEVICE void run_storer(const StageRing& ring, const StorerParams& p, cons
                 local.data(stage, token, pos);
             } else {
                 if (pos - head >= p.ring_slots) {
-                    MOE_EP_PROF(t_prof = timing.add(prof::kCopy, t_prof);)
-                    ok = wait_for_ring_slot(pos, p.ring_slots, tail_ptr, head_ptr, head, published, comm, abort
-                                            MOE_EP_PROF(, timing, t_prof));
+                    clock.lap(prof::kCopy);
+                    ok = wait_for_ring_slot(pos, p.ring_slots, tail_ptr, head_ptr, head, published, comm, abort,
+                                            clock);
                 }
                 if (ok) bulk_store(ring_base + static_cast<size_t>(pos % p.ring_slots) * p.slot_bytes, stage, p.slot_bytes);
             }
@@ -186,10 +185,10 @@ MOE_EP_DEVICE void run_storer(const StageRing& ring, const StorerParams& p, cons
         if (lane < kNumMaxNvlPeers) s_pos_after[seq % (kMaxBulkLag + 1)][lane] = pos;
         __syncwarp();
         if ((mask >> me) & 1) local.extras(stage, token, __shfl_sync(kFullMask, my_pos, me), lane);
-        MOE_EP_PROF(t_prof = timing.add(prof::kCopy, t_prof);)
+        clock.lap(prof::kCopy);
         bulk_wait_dyn<true>(lag_read);
         __syncwarp();
-        MOE_EP_PROF(t_prof = timing.add(prof::kCopyWait, t_prof);)
+        clock.lap(prof::kCopyWait);
         if (lane == 0 && seq >= lag_read) mbar_arrive(ring.empty + (seq - lag_read) % ring.num_stages);
         int lag = 0;  // publish the tails of the stores `lag` stages back, if due
         if (!p.publish_together) lag = seq >= lag_done ? lag_done : 0;
@@ -199,21 +198,19 @@ MOE_EP_DEVICE void run_storer(const StageRing& ring, const StorerParams& p, cons
             started = true;
             const int done = s_pos_after[(seq - lag) % (kMaxBulkLag + 1)][lane];
             if (remote_lane && ok && done > published && (p.publish_together || done - published >= p.publish_every)) {
-                MOE_EP_PROF(t_prof = global_timer_ns();)
                 bulk_wait_dyn<false>(lag);
-                MOE_EP_PROF(t_prof = timing.add(prof::kCopyWait, t_prof);)
+                clock.lap(prof::kCopyWait);
                 publish_tail(tail_ptr, done);
                 published = done;
-                MOE_EP_PROF(timing.add(prof::kPublish, t_prof);)
+                clock.lap(prof::kPublish);
             }
         }
     }
-    MOE_EP_PROF(t_prof = global_timer_ns();)
     bulk_wait<0>();
-    MOE_EP_PROF(t_prof = timing.add(prof::kCopyWait, t_prof);)
+    clock.lap(prof::kCopyWait);
     if (remote_lane && ok && *abort == 0 && pos > published) publish_tail(tail_ptr, pos);
-    MOE_EP_PROF(timing.add(prof::kPublish, t_prof); timing.reduce_lanes();
-                timing.store(comm, prof::kDispatch, p.channel, prof::kDispatchSendStorer);)
+    clock.lap(prof::kPublish);
+    clock.combine_lanes();
 }
 
 }  // namespace moe_ep::kernels

@@ -6,6 +6,7 @@
 #include <string>
 #include <vector>
 
+#include "common/profile.h"
 #include "intranode/api.cuh"
 
 namespace moe_ep {

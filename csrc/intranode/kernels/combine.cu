@@ -10,9 +10,11 @@
 // senders make progress while its reducers wait for theirs.
 #include <algorithm>
 
+#include "common/phase_clock.cuh"
+#include "common/pipeline.cuh"
+#include "intranode/api.cuh"
 #include "intranode/kernels/combine_reduce.cuh"
 #include "intranode/kernels/combine_staged.cuh"
-#include "common/pipeline.cuh"
 
 namespace moe_ep::kernels {
 
@@ -61,15 +63,15 @@ MOE_EP_DEVICE void send_rows(const CombineArgs& a, const StageRing& ring, int fi
     };
     int head = 0, published = 0;
     bool ok = true;
-    MOE_EP_PROF(ProfRole timing; timing.begin(); uint64_t t_prof = timing.start;)
+    PhaseClock clock(comm, prof::record(prof::kCombine, channel, dest));
     float weight = weight_of(0);
     load(0);
-    MOE_EP_PROF(t_prof = timing.add(prof::kCopy, t_prof);)
+    clock.lap(prof::kCopy);
     for (int i = 0; i < count && ok; ++i) {
         // Row i + 1 reuses the stage of row i + 1 - S, whose store is the (S - 2)-th newest one.
         bulk_wait_dyn<true>(num_stages - 2);
         __syncwarp();
-        MOE_EP_PROF(t_prof = timing.add(prof::kCopyWait, t_prof);)
+        clock.lap(prof::kCopyWait);
         if (num_stages > 1) load(i + 1);
         const float next_weight = weight_of(i + 1);
         const int st = first_stage + i % num_stages;
@@ -77,43 +79,40 @@ MOE_EP_DEVICE void send_rows(const CombineArgs& a, const StageRing& ring, int fi
         if (has_weights) reinterpret_cast<float*>(stage + a.row_bytes)[lane] = weight;
         fence_proxy_async_shared();
         __syncwarp();  // the weights written by lanes < k are read by lane 0's bulk store
-        MOE_EP_PROF(t_prof = timing.add(prof::kCopy, t_prof);)
+        clock.lap(prof::kCopy);
         ok = __all_sync(kFullMask, mbar_wait(ring.full + st, (i / num_stages) & 1, comm, abort));
-        MOE_EP_PROF(t_prof = timing.add(prof::kWaitStage, t_prof); timing.mark_first(); timing.count(prof::kItems);)
+        clock.lap(prof::kWaitStage);
+        clock.item();
         if (ok && lane == 0) {
             if (i - head >= a.ring_slots)
-                ok = wait_for_ring_slot(i, a.ring_slots, tail_ptr, head_ptr, head, published, comm, abort
-                                        MOE_EP_PROF(, timing, t_prof));
+                ok = wait_for_ring_slot(i, a.ring_slots, tail_ptr, head_ptr, head, published, comm, abort, clock);
             if (ok) {
                 bulk_store(ring_base + static_cast<size_t>(i % a.ring_slots) * slot_bytes, stage, slot_bytes);
                 bulk_commit();
-                MOE_EP_PROF(t_prof = timing.add(prof::kCopy, t_prof);)
+                clock.lap(prof::kCopy);
                 const int done = i + 1 - kPublishLag;  // rows complete once at most kPublishLag stores are pending
                 // The first row is published at once: the owner's reducers wait for it before any work.
                 if (done - published >= (published == 0 ? 1 : a.publish_every)) {
                     bulk_wait<kPublishLag>();
-                    MOE_EP_PROF(t_prof = timing.add(prof::kCopyWait, t_prof);)
+                    clock.lap(prof::kCopyWait);
                     publish_tail(tail_ptr, done);
                     published = done;
-                    MOE_EP_PROF(t_prof = timing.add(prof::kPublish, t_prof);)
+                    clock.lap(prof::kPublish);
                 }
             }
         }
         ok = __all_sync(kFullMask, ok);
-        if (num_stages == 1 && i + 1 < count) {
-            MOE_EP_PROF(t_prof = timing.add(prof::kCopy, t_prof);)
+        if (num_stages == 1 && i + 1 < count) {  // its wait counts with the next row's (kCopyWait)
             bulk_wait<0>();
             __syncwarp();
-            MOE_EP_PROF(t_prof = timing.add(prof::kCopyWait, t_prof);)
             load(i + 1);
         }
         weight = next_weight;
     }
-    MOE_EP_PROF(t_prof = timing.add(prof::kCopy, t_prof);)
     bulk_wait<0>();
-    MOE_EP_PROF(t_prof = timing.add(prof::kCopyWait, t_prof);)
+    clock.lap(prof::kCopyWait);
     if (lane == 0 && ok && *abort == 0 && count > published) publish_tail(tail_ptr, count);
-    MOE_EP_PROF(timing.add(prof::kPublish, t_prof); timing.store(comm, prof::kCombine, channel, dest);)
+    clock.lap(prof::kPublish);
 }
 
 // Reducer warps [first_warp, kCombineWarps) of the block: tokens of the channel round robin, heads
@@ -125,10 +124,11 @@ MOE_EP_DEVICE void reduce_channel(const CombineArgs& a, int channel, int first_w
     const int num_warps = kCombineWarps - first_warp, num_threads = 32 * num_warps;
     const int warp = threadIdx.x / 32 - first_warp, lane = threadIdx.x & 31, thread = threadIdx.x - 32 * first_warp;
     const int R = comm.num_ranks, C = a.num_channels, me = comm.rank;
-    MOE_EP_PROF(ProfRole timing; timing.begin(); uint64_t t_prof = timing.start;)
+    PhaseClock clock(comm, prof::record(prof::kCombine, channel, prof::kCombineReducer),
+                     warp == 0 ? ClockWriter::kSharedWithTimestamps : ClockWriter::kShared);
     if (thread < 2 * kNumMaxNvlPeers) s_head[thread / kNumMaxNvlPeers][thread % kNumMaxNvlPeers] = 0;
     asm volatile("bar.sync 1, %0;" ::"r"(num_threads));
-    MOE_EP_PROF(t_prof = timing.add(prof::kWaitStage, t_prof);)
+    clock.lap(prof::kWaitStage);
 
     int begin, end;
     channel_range(a.num_tokens, C, channel, begin, end);
@@ -154,34 +154,28 @@ MOE_EP_DEVICE void reduce_channel(const CombineArgs& a, int channel, int first_w
             const uint8_t* row = nullptr;
             bool ok = true;
             int pos = 0;
-            MOE_EP_PROF(uint64_t lane_wait = 0; uint32_t lane_stalled = 0;)
             if ((mask >> lane) & 1) {
                 const int head = a.send_head[static_cast<size_t>(t) * R + lane];
                 if (lane == me) {
                     row = static_cast<const uint8_t*>(a.x) + static_cast<size_t>(self_base + head) * a.row_bytes;
                 } else {
                     pos = head - chan_start;
-                    if (pos >= tail_seen) {
-                        MOE_EP_PROF(const uint64_t t_wait = global_timer_ns();
-                                    lane_stalled = (tail_seen = ld_acquire_sys(tail_ptr)) <= pos;)
-                        ok = wait_until([&] { return (tail_seen = ld_acquire_sys(tail_ptr)) > pos; }, comm, abort,
+                    if (pos >= tail_seen)
+                        ok = clock.wait([&] { return (tail_seen = ld_acquire_sys(tail_ptr)) > pos; }, comm, abort,
                                         kErrRecvTimeout);
-                        MOE_EP_PROF(lane_wait = global_timer_ns() - t_wait;)
-                    }
                     row = my_ring + static_cast<size_t>(pos % a.ring_slots) * slot_bytes;
                 }
             }
             __syncwarp();  // lane r's acquire of tail r covers every lane's reads of that ring
             if (!__all_sync(kFullMask, ok)) break;
-            MOE_EP_PROF(timing.acc[prof::kWaitEvents] += __popc(__ballot_sync(kFullMask, lane_stalled != 0));
-                        t_prof = timing.add_item_after_lane_waits(lane_wait, t_prof);)
+            clock.item_after_lane_waits();
             reduce_token<T, kRanks>(a, t, mask, row, me, lane);
             if (((mask >> lane) & 1) && lane != me) atomicMax(&s_head[parity][lane], pos + 1);
-            MOE_EP_PROF(t_prof = timing.add(prof::kCopy, t_prof);)
+            clock.lap(prof::kCopy);
         }
-        MOE_EP_PROF(t_prof = timing.add(prof::kMeta, t_prof);)  // the last loop test and abort checks
+        clock.lap(prof::kMeta);  // the last loop test and abort checks
         asm volatile("bar.sync 1, %0;" ::"r"(num_threads));
-        MOE_EP_PROF(t_prof = timing.add(prof::kWaitStage, t_prof);)
+        clock.lap(prof::kWaitStage);
         if (thread < R && thread != me && *abort == 0) {
             const int head = s_head[parity][thread];
             if (head > published) {
@@ -189,9 +183,8 @@ MOE_EP_DEVICE void reduce_channel(const CombineArgs& a, int channel, int first_w
                 published = head;
             }
         }
-        MOE_EP_PROF(__syncwarp(); t_prof = timing.add(prof::kPublish, t_prof);)
+        clock.lap(prof::kPublish);
     }
-    MOE_EP_PROF(timing.store(comm, prof::kCombine, channel, prof::kCombineReducer, true, warp == 0);)
 }
 
 // Both paths use the same threads: the first warps send (R - 1 for the rings, staged_sender_warps for
@@ -265,9 +258,7 @@ cudaError_t launch_typed(const CombineArgs& args, const CommContext& comm, cudaS
 int combine_slot_bytes(int row_bytes, int num_topk) { return align_slot(row_bytes + 4 * num_topk); }
 
 cudaError_t launch_combine(const CombineArgs& args, const CommContext& comm, cudaStream_t stream) {
-#ifdef MOE_EP_PROFILE
-    if (const cudaError_t perr = clear_profile(comm, prof::kCombine, stream); perr != cudaSuccess) return perr;
-#endif
+    if (const cudaError_t err = clear_profile(comm, prof::kCombine, stream); err != cudaSuccess) return err;
     switch (args.dtype) {
         case DType::kBFloat16: return launch_typed<__nv_bfloat16>(args, comm, stream);
         case DType::kFloat16: return launch_typed<__half>(args, comm, stream);

@@ -7,6 +7,7 @@
 #include <cuda_fp16.h>
 
 #include "common/common.cuh"
+#include "intranode/api.cuh"
 
 namespace moe_ep::kernels {
 

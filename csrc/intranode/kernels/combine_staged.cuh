@@ -10,8 +10,10 @@
 // has a ready count at its owner that its sender raises once the chunk's stores have landed.
 #pragma once
 
-#include "intranode/kernels/combine_reduce.cuh"
+#include "common/phase_clock.cuh"
 #include "common/pipeline.cuh"
+#include "intranode/api.cuh"
+#include "intranode/kernels/combine_reduce.cuh"
 
 namespace moe_ep::kernels {
 
@@ -217,18 +219,19 @@ MOE_EP_DEVICE void send_staged(const CombineArgs& a, const StageRing& ring, int 
     const int lag_read = min(kStagedStoreLag, S - 1);
     const int signal_lag = comm.pipeline_lag > 0 ? min(comm.pipeline_lag, kMaxStagedSignalLag) : kStagedSignalLag;
     constexpr int kHistory = kMaxStagedSignalLag + 1;
-    MOE_EP_PROF(ProfRole timing; timing.begin(); uint64_t t_prof = timing.start;)
+    PhaseClock clock(comm, prof::record(prof::kCombine, blockIdx.x, threadIdx.x / 32));
     int loaded = 0;
     while (loaded < S - lag_read && load(loaded)) ++loaded;
     Weights weights{};
     if (has_weights && loaded > 0) weights = fetch_weights(stage_of(0));
-    MOE_EP_PROF(t_prof = timing.add(prof::kMeta, t_prof);)
+    clock.lap(prof::kMeta);
     int seq = 0, next_signal = 0;  // lane 0: the oldest store not signaled yet
     bool first_chunk = true;       // lane 0: no chunk of this warp ended yet
     for (; seq < loaded; ++seq) {
         const int s = stage_of(seq);
         if (!__all_sync(kFullMask, mbar_wait(ring.full + s, (seq / S) & 1, comm, abort))) break;
-        MOE_EP_PROF(t_prof = timing.add(prof::kWaitStage, t_prof); timing.mark_first(); timing.count(prof::kItems);)
+        clock.lap(prof::kWaitStage);
+        clock.item();
         if (has_weights) {
             put_weights(s, weights);
             if (seq + 1 < loaded) weights = fetch_weights(stage_of(seq + 1));
@@ -236,12 +239,11 @@ MOE_EP_DEVICE void send_staged(const CombineArgs& a, const StageRing& ring, int 
         const int owner = static_cast<int>(ring.mask[s] & 0xff), rows = static_cast<int>(ring.mask[s] >> 8);
         const int first = ring.token[s], owed_rows = owed.rows_of(owner), staging_first = owed.staging_of(owner);
         __syncwarp();
-        MOE_EP_PROF(t_prof = timing.add(prof::kCopy, t_prof);)
         if (lane == 0) {
             uint8_t* staging = comm.peers.data[owner] + static_cast<size_t>(staging_first + first) * slot_bytes;
             bulk_store(staging, ring.stage(s), static_cast<uint32_t>(rows) * slot_bytes);
             bulk_commit();
-            MOE_EP_PROF(t_prof = timing.add(prof::kCopy, t_prof);)
+            clock.lap(prof::kCopy);
             const int chunk = first / plan.chunk_rows, chunk_end = min(owed_rows, (chunk + 1) * plan.chunk_rows);
             done[seq % kHistory] =
                 first + rows == chunk_end ? ChunkDone{owner + 16 * chunk, chunk_end - chunk * plan.chunk_rows}
@@ -256,27 +258,27 @@ MOE_EP_DEVICE void send_staged(const CombineArgs& a, const StageRing& ring, int 
                 bulk_wait_dyn<false>(signal_lag);
                 landed = seq - signal_lag;
             }
-            MOE_EP_PROF(t_prof = timing.add(prof::kCopyWait, t_prof);)
+            clock.lap(prof::kCopyWait);
             for (; next_signal <= landed; ++next_signal) signal(done[next_signal % kHistory]);
-            MOE_EP_PROF(t_prof = timing.add(prof::kPublish, t_prof);)
+            clock.lap(prof::kPublish);
         }
         __syncwarp();
-        MOE_EP_PROF(t_prof = timing.add(prof::kCopy, t_prof);)
+        clock.lap(prof::kCopy);
         if (load(loaded)) {  // into the stage of seq - lag_read
             ++loaded;
             if (has_weights && seq + 1 == loaded - 1) weights = fetch_weights(stage_of(seq + 1));
         }
-        MOE_EP_PROF(t_prof = timing.add(prof::kMeta, t_prof);)
+        clock.lap(prof::kMeta);
     }
     if (lane == 0) {
         bulk_wait<0>();
-        MOE_EP_PROF(t_prof = timing.add(prof::kCopyWait, t_prof);)
+        clock.lap(prof::kCopyWait);
         if (*abort == 0)
             for (; next_signal < seq; ++next_signal) signal(done[next_signal % kHistory]);
-        MOE_EP_PROF(timing.add(prof::kPublish, t_prof);)
+        clock.lap(prof::kPublish);
     }
     __syncwarp();
-    MOE_EP_PROF(timing.reduce_lanes(); timing.store(comm, prof::kCombine, blockIdx.x, threadIdx.x / 32);)
+    clock.combine_lanes();
 }
 
 // Reducer warp: claims this rank's tokens one at a time (the next claim is in flight while it reduces).
@@ -298,11 +300,11 @@ MOE_EP_DEVICE void reduce_staged(const CombineArgs& a, const StagingPlan& plan, 
     auto claim = [&] { return lane == 0 ? atomicAdd(token_counter, 1) : 0; };
     int known_chunk = -1;
 
-    MOE_EP_PROF(ProfRole timing; timing.begin(); uint64_t t_prof = timing.start;)
+    PhaseClock clock(comm, prof::record(prof::kCombine, blockIdx.x, prof::kCombineReducer),
+                     threadIdx.x / 32 == senders ? ClockWriter::kSharedWithTimestamps : ClockWriter::kShared);
     for (int t = __shfl_sync(kFullMask, claim(), 0); t < a.num_tokens;) {
         const int next = claim();
         if (*abort) break;
-        MOE_EP_PROF(uint64_t lane_wait = 0;)
         const uint32_t mask = __ballot_sync(
             kFullMask, lane < R && reinterpret_cast<const uint8_t*>(a.is_token_in_rank)[static_cast<size_t>(t) * R + lane] != 0);
         const uint8_t* row = nullptr;
@@ -316,10 +318,9 @@ MOE_EP_DEVICE void reduce_staged(const CombineArgs& a, const StagingPlan& plan, 
                 const int chunk = pos / plan.chunk_rows;
                 if (chunk > known_chunk) {
                     const int expected = min(plan.chunk_rows, rows_from_lane - chunk * plan.chunk_rows);
-                    MOE_EP_PROF(lane_wait = global_timer_ns();)
                     // Polls are plain loads, spaced out: hundreds of lanes spinning with system-scope
                     // acquires on the few lines of the front slow the whole GPU down.
-                    ok = wait_until(
+                    ok = clock.wait(
                         [&] {
                             if (ld_volatile(ready + chunk) >= expected) return true;
                             __nanosleep(128);
@@ -327,7 +328,6 @@ MOE_EP_DEVICE void reduce_staged(const CombineArgs& a, const StagingPlan& plan, 
                         },
                         comm, abort, kErrRecvTimeout);
                     ld_acquire_sys(ready + chunk);  // orders the slot reads after the count
-                    MOE_EP_PROF(lane_wait = global_timer_ns() - lane_wait;)
                     known_chunk = chunk;
                 }
                 row = block + static_cast<size_t>(pos) * slot_bytes;
@@ -336,13 +336,11 @@ MOE_EP_DEVICE void reduce_staged(const CombineArgs& a, const StagingPlan& plan, 
         }
         __syncwarp();  // lane r's acquire of r's ready count covers every lane's reads of r's slots
         if (!__all_sync(kFullMask, ok)) break;
-        MOE_EP_PROF(t_prof = timing.add_item_after_lane_waits(lane_wait, t_prof);)
+        clock.item_after_lane_waits();
         reduce_token<T, kRanks>(a, t, mask, row, me, lane);
         t = __shfl_sync(kFullMask, next, 0);
-        MOE_EP_PROF(t_prof = timing.add(prof::kCopy, t_prof);)
+        clock.lap(prof::kCopy);
     }
-    MOE_EP_PROF(timing.store(comm, prof::kCombine, blockIdx.x, prof::kCombineReducer, true,
-                             threadIdx.x / 32 == senders);)
 }
 
 }  // namespace moe_ep::kernels

@@ -7,7 +7,9 @@
 // outputs.
 #include <algorithm>
 
+#include "common/phase_clock.cuh"
 #include "common/pipeline.cuh"
+#include "intranode/api.cuh"
 
 namespace moe_ep::kernels {
 
@@ -16,6 +18,7 @@ namespace {
 // Sender: warps [0, kLoaderWarps) load, the next one stores, the next one writes send_head; then the
 // receiver's kRecvWarps copy warps.
 constexpr int kLoaderWarps = 4;
+static_assert(kLoaderWarps == prof::kDispatchLoaders, "profile roles follow the warp layout");
 constexpr int kSendWarps = kLoaderWarps + 2;
 constexpr int kSendThreads = 32 * kSendWarps;
 constexpr int kRecvWarps = 8;
@@ -94,11 +97,7 @@ MOE_EP_DEVICE void load_tokens(const DispatchArgs& a, const SlotLayout& layout, 
                                int begin, int end, int loader, const CommContext& comm, volatile int* abort) {
     const int lane = threadIdx.x & 31;
     int seq = 0;
-    MOE_EP_PROF(ProfRole timing; timing.begin(); uint64_t t_prof;
-                struct Store {  // writes the record on every way out
-                    ProfRole& p; const CommContext& c; int ch, role;
-                    MOE_EP_DEVICE ~Store() { p.store(c, prof::kDispatch, ch, role); }
-                } prof_store{timing, comm, channel, loader};)
+    PhaseClock clock(comm, prof::record(prof::kDispatch, channel, loader));
     for (int base = begin; base < end; base += 32) {
         const int t = base + lane;
         const uint32_t my_mask = t < end ? token_rank_mask(a.is_token_in_rank, t, comm.num_ranks) : 0;
@@ -109,9 +108,10 @@ MOE_EP_DEVICE void load_tokens(const DispatchArgs& a, const SlotLayout& layout, 
             const int token = base + src_lane;
             const uint32_t mask = __shfl_sync(kFullMask, my_mask, src_lane);
             if (seq++ % kLoaderWarps != loader) continue;
-            MOE_EP_PROF(t_prof = global_timer_ns();)
+            clock.lap(prof::kMeta);
             if (!acquire_stage(ring, seq - 1, comm, abort)) return;
-            MOE_EP_PROF(t_prof = timing.add(prof::kWaitStage, t_prof); timing.mark_first(); timing.count(prof::kItems);)
+            clock.lap(prof::kWaitStage);
+            clock.item();
             uint32_t* words = reinterpret_cast<uint32_t*>(ring.stage((seq - 1) % ring.num_stages));
             if (a.x_scales != nullptr)
                 for (int g = lane; g < a.num_scales; g += 32)
@@ -124,17 +124,18 @@ MOE_EP_DEVICE void load_tokens(const DispatchArgs& a, const SlotLayout& layout, 
             }
             fill_stage(ring, seq - 1, token, mask,
                        static_cast<const uint8_t*>(a.x) + static_cast<size_t>(token) * a.row_bytes, a.row_bytes);
-            MOE_EP_PROF(timing.add(prof::kCopy, t_prof);)
+            clock.lap(prof::kCopy);
         }
     }
     if (seq % kLoaderWarps == loader && acquire_stage(ring, seq, comm, abort)) fill_stage(ring, seq, -1, 0, nullptr, 0);
 }
 
 // send_head[t, d]: position of token t inside the block destination d receives from this rank.
-MOE_EP_DEVICE void write_send_head(const DispatchArgs& a, int channel, int begin, int end, int num_ranks
-                                   MOE_EP_PROF(, const CommContext& comm)) {
+MOE_EP_DEVICE void write_send_head(const DispatchArgs& a, int channel, int begin, int end, int num_ranks,
+                                   const CommContext& comm) {
     const int lane = threadIdx.x & 31;
-    MOE_EP_PROF(ProfRole timing; timing.begin(); timing.count(prof::kItems, end > begin ? end - begin : 0);)
+    PhaseClock clock(comm, prof::record(prof::kDispatch, channel, prof::kDispatchSendHead));
+    clock.count(prof::kItems, end > begin ? end - begin : 0);
     int running[kNumMaxNvlPeers];
 #pragma unroll
     for (int d = 0; d < kNumMaxNvlPeers; ++d)
@@ -153,8 +154,7 @@ MOE_EP_DEVICE void write_send_head(const DispatchArgs& a, int channel, int begin
             running[d] += __popc(ballot);
         }
     }
-    MOE_EP_PROF(timing.acc[prof::kCopy] = static_cast<uint32_t>(global_timer_ns() - timing.start);
-                timing.store(comm, prof::kDispatch, channel, prof::kDispatchSendHead);)
+    clock.lap(prof::kCopy);
 }
 
 constexpr int kCopyUnroll = 16;  // 16-byte units in flight per lane of a receiver warp
@@ -208,7 +208,8 @@ MOE_EP_DEVICE void run_receiver(const DispatchArgs& a, const SlotLayout& layout,
         if (warp == 0) published[lane] = 0;
     }
     asm volatile("bar.sync 2, %0;" ::"r"(32 * kRecvWarps));
-    MOE_EP_PROF(ProfRole timing; timing.begin(); uint64_t t_prof = timing.start; bool idle = false;)
+    PhaseClock clock(comm, prof::record(prof::kDispatch, channel, prof::kDispatchRecvCopy),
+                     warp == 0 ? ClockWriter::kSharedWithTimestamps : ClockWriter::kShared);
     uint64_t deadline = global_timer_ns() + comm.timeout_ns;
     for (;;) {
         const bool pending = source_lane && next < count;
@@ -216,7 +217,8 @@ MOE_EP_DEVICE void run_receiver(const DispatchArgs& a, const SlotLayout& layout,
         if (pending && next >= tail_seen) tail_seen = ld_acquire_sys(tail_ptr);
         const uint32_t ready = __ballot_sync(kFullMask, pending && next < tail_seen);
         if (ready == 0) {
-            MOE_EP_PROF(if (!idle) t_prof = timing.add(prof::kCopy, t_prof); idle = true;)
+            clock.lap(prof::kCopy);
+            clock.idle();
             if (*abort) return;
             if (global_timer_ns() > deadline) {
                 report_error(comm.flags, kErrRecvTimeout);
@@ -224,8 +226,7 @@ MOE_EP_DEVICE void run_receiver(const DispatchArgs& a, const SlotLayout& layout,
                 return;
             }
         } else {
-            MOE_EP_PROF(if (idle) { t_prof = timing.add(prof::kWaitRemote, t_prof); timing.count(prof::kWaitEvents); }
-                        idle = false; timing.mark_first();)
+            clock.busy();
             deadline = global_timer_ns() + comm.timeout_ns;
             __syncwarp();  // lane s's acquire of tail s covers every lane's reads of ring s
             for (uint32_t todo = ready; todo != 0; todo &= todo - 1) {
@@ -238,12 +239,12 @@ MOE_EP_DEVICE void run_receiver(const DispatchArgs& a, const SlotLayout& layout,
                 copy_row(slot, static_cast<uint8_t*>(a.recv_x) + static_cast<size_t>(row) * a.row_bytes, a.row_bytes,
                          lane);
                 write_recv_extras(a, layout, RingWords{reinterpret_cast<const uint32_t*>(slot)}, row, me, lane);
-                MOE_EP_PROF(timing.count(prof::kItems);)
+                clock.item();
             }
             if ((ready >> lane) & 1) next += kRecvWarps;
             __syncwarp();  // every lane's loads of the rows returned before their slots are released
             if (lane < kNumMaxNvlPeers) next_of[warp * kNumMaxNvlPeers + lane] = next;
-            MOE_EP_PROF(t_prof = timing.add(prof::kCopy, t_prof);)
+            clock.lap(prof::kCopy);
         }
         // Head of source s: rows below every warp's next row are copied. An idle warp publishes what it
         // sees too, so that the last copy of a source is announced even if its warp missed another's.
@@ -255,9 +256,8 @@ MOE_EP_DEVICE void run_receiver(const DispatchArgs& a, const SlotLayout& layout,
                 if (atomicMax(const_cast<int*>(published) + lane, head) < head) red_max_relaxed_sys(head_ptr, head);
             }
         }
-        MOE_EP_PROF(if (!idle) t_prof = timing.add(prof::kPublish, t_prof);)
+        clock.lap(prof::kPublish);
     }
-    MOE_EP_PROF(timing.store(comm, prof::kDispatch, channel, prof::kDispatchRecvCopy, true, warp == 0);)
 }
 
 __global__ void __launch_bounds__(kDispatchThreads, 1) dispatch_kernel(DispatchArgs a, CommContext comm,
@@ -274,7 +274,6 @@ __global__ void __launch_bounds__(kDispatchThreads, 1) dispatch_kernel(DispatchA
     const StageRing ring = make_stage_ring(smem, num_stages, slot_bytes, threadIdx.x == 0);
     if (threadIdx.x == 0) s_abort = 0;
     __syncthreads();
-    MOE_EP_PROF(static_assert(kLoaderWarps == prof::kDispatchLoaders, "profile roles follow the warp layout");)
 
     if (!is_sender) {
         if (!cancelled) run_receiver(a, layout, channel, slot_bytes, warp - kSendWarps, comm, &s_abort);
@@ -283,7 +282,7 @@ __global__ void __launch_bounds__(kDispatchThreads, 1) dispatch_kernel(DispatchA
     int begin, end;
     channel_range(a.num_tokens, a.num_channels, channel, begin, end);
     if (warp == kLoaderWarps + 1) {
-        if (a.send_head != nullptr) write_send_head(a, channel, begin, end, comm.num_ranks MOE_EP_PROF(, comm));
+        if (a.send_head != nullptr) write_send_head(a, channel, begin, end, comm.num_ranks, comm);
     } else if (cancelled) {
         return;
     } else if (warp < kLoaderWarps) {
@@ -292,7 +291,8 @@ __global__ void __launch_bounds__(kDispatchThreads, 1) dispatch_kernel(DispatchA
         const SelfSink sink{&a, layout, a.recv_channel_prefix_matrix[comm.rank * a.num_channels + channel], comm.rank};
         const StorerParams params{channel, a.ring_slots, slot_bytes, a.publish_every,
                                   slot_bytes <= kPublishTogetherMaxSlotBytes};
-        run_storer(ring, params, comm, sink, &s_abort);
+        PhaseClock clock(comm, prof::record(prof::kDispatch, channel, prof::kDispatchSendStorer));
+        run_storer(ring, params, comm, sink, &s_abort, clock);
     }
 }
 
@@ -333,9 +333,7 @@ int max_pipeline_stages(int slot_bytes) {
 }
 
 cudaError_t launch_dispatch(const DispatchArgs& args, const CommContext& comm, cudaStream_t stream) {
-#ifdef MOE_EP_PROFILE
-    if (const cudaError_t perr = clear_profile(comm, prof::kDispatch, stream); perr != cudaSuccess) return perr;
-#endif
+    if (const cudaError_t err = clear_profile(comm, prof::kDispatch, stream); err != cudaSuccess) return err;
     const int slot_bytes = dispatch_slot_bytes(args.row_bytes, args.num_scales, args.num_topk);
     const int stages = max_pipeline_stages(slot_bytes);
     if (stages == 0) return cudaErrorInvalidValue;

@@ -1,5 +1,6 @@
 // get_dispatch_layout: per-rank and per-expert counts and the token-to-rank mask from top-k ids.
 #include "common/common.cuh"
+#include "intranode/api.cuh"
 
 namespace moe_ep::kernels {
 

@@ -1,6 +1,7 @@
 // notify_dispatch: every rank learns what every other rank sends it, before any data moves; and the
 // ring reset that cached dispatch and combine run instead.
 #include "common/common.cuh"
+#include "intranode/api.cuh"
 
 namespace moe_ep::kernels {
 
