@@ -252,7 +252,8 @@ MOE_EP_DEVICE void clear_ring_counters(const CommContext& comm) {
 }
 
 // Ring slots are whole 128-byte lines: NVLink stores that cover only part of a line cost about 30 %
-// of the throughput (docs/perf-notes-intranode.md, variant 21).
+// of the throughput (4 ranks pushing 14,416-byte rows took 630-638 us, 14,464-byte rows 484-491 us; the
+// 4-rank BF16 dispatch went from 665-711 us to 523-540 us).
 constexpr int kSlotAlign = 128;
 
 __host__ __device__ inline int align_slot(int bytes) { return (bytes + kSlotAlign - 1) / kSlotAlign * kSlotAlign; }

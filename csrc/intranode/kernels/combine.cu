@@ -209,7 +209,7 @@ __global__ void __launch_bounds__(kCombineThreads, 1) combine_kernel(CombineArgs
         const StageRing ring = make_stage_ring(smem, staged_stages, slots * slot_bytes, threadIdx.x == 0);
         __syncthreads();
         // Senders that run out of rows to claim reduce too: at two ranks the link is done well before
-        // the reducers are (s19-4).
+        // the reducers are (senders ended at 160-175 us, reducers at 240 us).
         if (warp < staged_senders)
             send_staged(a, ring, warp * per_sender, per_sender, slots, plan, slot_bytes, s_done[warp], comm, &s_abort);
         reduce_staged<T, kRanks>(a, plan, slot_bytes, staged_senders, comm, &s_abort);

@@ -25,7 +25,7 @@ constexpr int kRecvWarps = 8;
 constexpr int kDispatchThreads = kSendThreads + 32 * kRecvWarps;
 // The storer publishes every destination's tail at once for slots up to this size: at hidden 7168
 // that took the FP8 dispatch (7,552-byte slots) from 374-386 us to 325 us, and cost the BF16 one
-// (14,464-byte slots) 25 us (docs/perf-notes-intranode.md, variant 25).
+// (14,464-byte slots) 25 us.
 constexpr int kPublishTogetherMaxSlotBytes = 8192;
 
 struct SlotLayout {

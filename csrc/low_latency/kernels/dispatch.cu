@@ -55,8 +55,8 @@ MOE_EP_DEVICE bool send_rows(const DispatchArgs& a, const Context& c, const Layo
     const int num_ranks = c.comm.num_ranks, rank = c.comm.rank;
     const int num_local = a.num_experts / num_ranks;
     // Items split by rank only while they fill at most half of the largest teams: a row cast once for
-    // all its ranks sends less, while separate ranks go out from separate teams at once. Measured (s17-3,
-    // hook send, 4 ranks): by rank 7.5 us against 8.5 at 1 token; by token 8.9 against 9.2 at 32.
+    // all its ranks sends less, while separate ranks go out from separate teams at once. The send phase
+    // alone at 4 ranks: by rank 7.5 us against 8.5 at 1 token; by token 8.9 us against 9.2 at 32.
     const int parts = a.num_tokens * num_ranks <= TeamSchedule::full_size_teams(count_warps) / 2 ? num_ranks : 1;
     const int num_items = a.num_tokens * parts;
     const TeamSchedule team = TeamSchedule::make(num_items, count_warps);
@@ -93,8 +93,8 @@ MOE_EP_DEVICE bool send_rows(const DispatchArgs& a, const Context& c, const Layo
             __ballot_sync(kFullMask, in_item && __popc(valid & ((1u << lane) - 1u)) % members == member);
         const int position = slot_positions(s_ids, token * a.num_topk, mine, expert, lane);
         // The team's barrier orders every share's stores before each warp's releases, which are
-        // cumulative: no fence per warp. (A fence in every warp before the barrier cost 1-2 us at every
-        // size: docs/perf-notes-low-latency.md, session 16.)
+        // cumulative: no fence per warp (a fence in every warp before the barrier cost 1-2 us at every
+        // size).
         if (members > 1) team.sync();
         const int64_t message = (static_cast<int64_t>(max(expert, 0) % num_local) * num_ranks + rank) * a.max_tokens + position;
         const int64_t flag_offset = op.flags + message * 8;
