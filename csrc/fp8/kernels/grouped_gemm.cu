@@ -1,0 +1,398 @@
+// Grouped FP8 GEMM with DeepSeek-V3 blockwise scaling on Hopper tensor cores (TMA + wgmma, sm_90a).
+//
+// Grouped by rows, for every expert e owning the contiguous rows [ends[e-1], ends[e]) of `a`:
+//     out[rows of e] = (a * a_scales) @ (b[e] * b_scales[e])^T, accumulated in FP32, rounded to BF16,
+// with `a [N, K]` e4m3 and one float scale per row per 128 columns, `b [E, N_OUT, K]` e4m3 and one
+// float scale per 128x128 block. Rows from ends[E-1] on are written as zeros.
+// Grouped by depth (weight gradients), every expert e contracts its own K range of one `a` and one `b`:
+//     out[e] = (a[:, K_e] * a_scales) @ (b[:, K_e] * b_scales)^T, K_e = [ends[e-1], ends[e]).
+// Both are the same tiles and K loop; only where a tile's rows, K range and output come from differs.
+//
+// A block computes one 128x128 output tile. One producer thread streams the tile's 128x128-byte K
+// blocks of `a` and `b` through a ring of shared-memory stages with TMA, in the 128-byte swizzled
+// layout wgmma reads. Two math warpgroups multiply 64 rows each: every K block goes into a scratch
+// accumulator, which is then added to the FP32 sums times the block's two scales. The scales change
+// from one K block to the next, so one tensor-core accumulation over all of K is not possible; the
+// warpgroups wait for their own products only, so one's scaling overlaps the other's tensor-core work.
+#include <cuda.h>
+#include <cuda_bf16.h>
+#include <cudaTypedefs.h>
+
+#include "fp8/api.cuh"
+#include "common/common.cuh"
+
+namespace moe_ep::kernels {
+
+namespace {
+
+// Rows of a block's tile, the K depth of one stage (one scale block), a column block.
+constexpr int kTile = kFp8Block;
+constexpr int kMathWarpgroups = 2;
+constexpr int kThreads = 128 * (kMathWarpgroups + 1);
+constexpr int kSmemStages = 4 * 48 * 1024;  // shared memory of the stages: 4 of 128 + 256 rows of 128 bytes
+constexpr int kSwizzleBytes = 1024;      // 128-byte swizzle repeats every 8 rows of 128 bytes
+
+// A block's output tile is 128 x kBlockN: 128 or 256 columns (the wider tile reads a third less
+// from L2 per FLOP; the output width must be a multiple of it).
+template <int kBlockN>
+struct alignas(kSwizzleBytes) GemmSmem {
+    static constexpr int kStages = kSmemStages / ((kTile + kBlockN) * kTile);
+    uint8_t a[kStages][kTile * kTile];
+    uint8_t b[kStages][kBlockN * kTile];
+    uint64_t full[kStages];   // TMA bytes landed
+    uint64_t empty[kStages];  // every math warp done reading
+    int expert;               // num_experts: a tile of zero rows past the last segment
+    int row_begin;
+    int row_end;
+    int k_block_begin;        // the tile's K range, in 128-deep blocks
+    int k_block_end;
+};
+template <int kBlockN>
+constexpr size_t kSmemBytes = sizeof(GemmSmem<kBlockN>) + kSwizzleBytes;  // room to align the base
+
+// The device code needs sm_90a (wgmma); other targets compile an empty kernel, which
+// fp8_grouped_gemm_supported() reports.
+#if defined(__CUDA_ARCH_FEAT_SM90_ALL)
+// Registers per thread after the warpgroups rebalance them (setmaxnreg): the producer needs few, the
+// math warpgroups hold 64 x 256 FP32 sums and a 64 x 128 product each.
+constexpr int kProducerRegisters = 40;
+constexpr int kMathRegisters = 232;
+constexpr int kPart = kTile / 2;  // f32 registers per thread of an m64n128 product
+
+// The row tile of launch slot `row_slot`, segments tiled one after another, then the zero tail:
+// (expert, first row, end row). One warp; every lane gets the answer.
+MOE_EP_DEVICE void locate_row_tile(const int* ends, int num_experts, int num_rows, int row_slot, int lane,
+                                   int& expert, int& row_begin, int& row_end) {
+    int tiles_before = 0;
+    for (int base = 0; base < num_experts; base += 32) {
+        const int e = base + lane;
+        const bool valid = e < num_experts;
+        const int seg_begin = valid && e > 0 ? min(max(ends[e - 1], 0), num_rows) : 0;
+        const int seg_end = valid ? max(min(ends[e], num_rows), seg_begin) : 0;
+        const int tiles = ceil_div(seg_end - seg_begin, kTile);
+        int through = tiles;  // inclusive prefix over the lanes
+        for (int offset = 1; offset < 32; offset <<= 1) {
+            const int v = __shfl_up_sync(kFullMask, through, offset);
+            if (lane >= offset) through += v;
+        }
+        through += tiles_before;
+        const unsigned hit = __ballot_sync(kFullMask, valid && through > row_slot);
+        if (hit) {
+            const int src = __ffs(hit) - 1;
+            const int tiles_before_expert = __shfl_sync(kFullMask, through - tiles, src);
+            expert = base + src;
+            row_begin = __shfl_sync(kFullMask, seg_begin, src) + (row_slot - tiles_before_expert) * kTile;
+            row_end = min(__shfl_sync(kFullMask, seg_end, src), row_begin + kTile);
+            return;
+        }
+        tiles_before = __shfl_sync(kFullMask, through, 31);
+    }
+    expert = num_experts;
+    row_begin = min(max(ends[num_experts - 1], 0), num_rows) + (row_slot - tiles_before) * kTile;
+    row_end = min(row_begin + kTile, num_rows);
+}
+
+// Grouped by depth: launch slot `row_slot` is row tile `row_slot % row_tiles` of expert
+// `row_slot / row_tiles`, whose K blocks are [ends[e-1], ends[e]) / 128 (clamped to the depth).
+MOE_EP_DEVICE void locate_depth_tile(const Fp8GroupedGemmArgs& args, int row_slot, int& expert, int& row_begin,
+                                     int& k_block_begin, int& k_block_end) {
+    const int row_tiles = args.num_rows / kTile;
+    expert = row_slot / row_tiles;
+    row_begin = (row_slot % row_tiles) * kTile;
+    const int k_begin = expert > 0 ? args.ends[expert - 1] : 0;
+    k_block_begin = min(max(k_begin, 0), args.depth) / kTile;
+    k_block_end = max(min(args.ends[expert], args.depth) / kTile, k_block_begin);
+}
+
+MOE_EP_DEVICE void mbar_spin(uint64_t* bar, uint32_t parity) {
+    while (!mbar_test(bar, parity)) {
+    }
+}
+
+MOE_EP_DEVICE void tma_load_2d(void* dst, const CUtensorMap* map, uint64_t* bar, int x, int y) {
+    asm volatile(
+        "cp.async.bulk.tensor.2d.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1, {%3, %4}], [%2];" ::"r"(
+            smem_addr(dst)),
+        "l"(map), "r"(smem_addr(bar)), "r"(x), "r"(y)
+        : "memory");
+}
+
+MOE_EP_DEVICE void tma_load_3d(void* dst, const CUtensorMap* map, uint64_t* bar, int x, int y, int z) {
+    asm volatile(
+        "cp.async.bulk.tensor.3d.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1, {%3, %4, %5}], "
+        "[%2];" ::"r"(smem_addr(dst)),
+        "l"(map), "r"(smem_addr(bar)), "r"(x), "r"(y), "r"(z)
+        : "memory");
+}
+
+// wgmma shared-memory descriptor of a K-major operand tile in the 128-byte swizzled layout: start
+// address, 8-row groups 1024 bytes apart, swizzle mode 1 (128 B). The leading offset is unused there.
+MOE_EP_DEVICE uint64_t smem_descriptor(const void* tile) {
+    const uint64_t address = smem_addr(tile);
+    return ((address & 0x3FFFF) >> 4) | (uint64_t{1} << 16) | (uint64_t{kSwizzleBytes >> 4} << 32) |
+           (uint64_t{1} << 62);
+}
+
+MOE_EP_DEVICE void wgmma_fence() { asm volatile("wgmma.fence.sync.aligned;" ::: "memory"); }
+MOE_EP_DEVICE void wgmma_commit() { asm volatile("wgmma.commit_group.sync.aligned;" ::: "memory"); }
+MOE_EP_DEVICE void wgmma_wait_all() { asm volatile("wgmma.wait_group.sync.aligned 0;" ::: "memory"); }
+
+// d (+)= a[64 x 32] * b[128 x 32]^T, e4m3 operands from shared memory, f32 accumulator.
+MOE_EP_DEVICE void wgmma_m64n128k32(float (&d)[kPart], uint64_t desc_a, uint64_t desc_b, int accumulate) {
+    asm volatile(
+        "{\n.reg .pred p;\nsetp.ne.b32 p, %66, 0;\n"
+        "wgmma.mma_async.sync.aligned.m64n128k32.f32.e4m3.e4m3 "
+        "{%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, "
+        "%16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31, "
+        "%32, %33, %34, %35, %36, %37, %38, %39, %40, %41, %42, %43, %44, %45, %46, %47, "
+        "%48, %49, %50, %51, %52, %53, %54, %55, %56, %57, %58, %59, %60, %61, %62, %63}, "
+        "%64, %65, p, 1, 1;\n}\n"
+        : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]),
+          "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15]),
+          "+f"(d[16]), "+f"(d[17]), "+f"(d[18]), "+f"(d[19]), "+f"(d[20]), "+f"(d[21]), "+f"(d[22]), "+f"(d[23]),
+          "+f"(d[24]), "+f"(d[25]), "+f"(d[26]), "+f"(d[27]), "+f"(d[28]), "+f"(d[29]), "+f"(d[30]), "+f"(d[31]),
+          "+f"(d[32]), "+f"(d[33]), "+f"(d[34]), "+f"(d[35]), "+f"(d[36]), "+f"(d[37]), "+f"(d[38]), "+f"(d[39]),
+          "+f"(d[40]), "+f"(d[41]), "+f"(d[42]), "+f"(d[43]), "+f"(d[44]), "+f"(d[45]), "+f"(d[46]), "+f"(d[47]),
+          "+f"(d[48]), "+f"(d[49]), "+f"(d[50]), "+f"(d[51]), "+f"(d[52]), "+f"(d[53]), "+f"(d[54]), "+f"(d[55]),
+          "+f"(d[56]), "+f"(d[57]), "+f"(d[58]), "+f"(d[59]), "+f"(d[60]), "+f"(d[61]), "+f"(d[62]), "+f"(d[63])
+        : "l"(desc_a), "l"(desc_b), "r"(accumulate));
+}
+
+// The accumulator registers are written by the tensor cores until wgmma_wait_all: keep the compiler
+// from reading them (or moving reads) before that.
+MOE_EP_DEVICE void fence_accumulator(float (&d)[kPart]) {
+#pragma unroll
+    for (int i = 0; i < kPart; ++i) asm volatile("" : "+f"(d[i])::"memory");
+}
+
+template <int kBlockN>
+MOE_EP_DEVICE void zero_rows(__nv_bfloat16* out, int64_t out_row_stride, int row_begin, int row_end) {
+    constexpr int kVectorsPerRow = kBlockN * sizeof(__nv_bfloat16) / sizeof(int4);
+    for (int i = threadIdx.x; i < (row_end - row_begin) * kVectorsPerRow; i += kThreads) {
+        int4* row = reinterpret_cast<int4*>(out + (row_begin + i / kVectorsPerRow) * out_row_stride);
+        row[i % kVectorsPerRow] = make_int4(0, 0, 0, 0);
+    }
+}
+#endif
+
+template <int kBlockN>
+__global__ void __launch_bounds__(kThreads, 1)
+    fp8_grouped_gemm_kernel(const __grid_constant__ CUtensorMap a_map, const __grid_constant__ CUtensorMap b_map,
+                            const Fp8GroupedGemmArgs args) {
+#if defined(__CUDA_ARCH_FEAT_SM90_ALL)
+    using Smem = GemmSmem<kBlockN>;
+    constexpr int kStages = Smem::kStages;
+    constexpr int kColumnBlocks = kBlockN / kTile;
+    constexpr int kAccum = kColumnBlocks * kPart;
+    extern __shared__ uint8_t smem_raw[];
+    const uint32_t misalignment = smem_addr(smem_raw) % kSwizzleBytes;
+    Smem& smem = *reinterpret_cast<Smem*>(smem_raw + (kSwizzleBytes - misalignment) % kSwizzleBytes);
+    const int num_col_tiles = args.n_out / kBlockN;
+    // Column tiles vary fastest: the blocks resident together share rows of `a` and one expert's weight.
+    const int col_tile = blockIdx.x % num_col_tiles;
+    const int row_slot = blockIdx.x / num_col_tiles;
+    const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
+
+    if (warp == 0) {
+        int expert, row_begin, row_end, k_block_begin = 0, k_block_end = args.depth / kTile;
+        if (args.group_depth) {
+            locate_depth_tile(args, row_slot, expert, row_begin, k_block_begin, k_block_end);
+            row_end = row_begin + kTile;
+        } else {
+            locate_row_tile(args.ends, args.num_experts, args.num_rows, row_slot, lane, expert, row_begin, row_end);
+        }
+        if (lane == 0) {
+            smem.expert = expert, smem.row_begin = row_begin, smem.row_end = row_end;
+            smem.k_block_begin = k_block_begin, smem.k_block_end = k_block_end;
+        }
+    } else if (threadIdx.x == 32) {
+        for (int s = 0; s < kStages; ++s) {
+            mbar_init(&smem.full[s], 1);
+            mbar_init(&smem.empty[s], kMathWarpgroups * 4);
+        }
+        asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
+    }
+    __syncthreads();
+    const int expert = smem.expert, row_begin = smem.row_begin, row_end = smem.row_end;
+    const int k_block_begin = smem.k_block_begin, num_k_blocks = smem.k_block_end - smem.k_block_begin;
+    __nv_bfloat16* out = args.out + (args.group_depth ? expert * args.out_expert_stride : 0) + col_tile * kBlockN;
+    if (row_begin >= row_end) return;
+    if (expert == args.num_experts) {
+        zero_rows<kBlockN>(out, args.out_row_stride, row_begin, row_end);
+        return;
+    }
+    // Grouped by depth, every expert reads the one `b`.
+    const int b_expert = args.group_depth ? 0 : expert;
+    const int warpgroup = threadIdx.x / 128;
+
+    if (warpgroup == kMathWarpgroups) {
+        asm volatile("setmaxnreg.dec.sync.aligned.u32 %0;" ::"n"(kProducerRegisters));
+        if (threadIdx.x % 128 == 0) {
+            for (int kb = 0; kb < num_k_blocks; ++kb) {
+                const int stage = kb % kStages;
+                const int k = (k_block_begin + kb) * kTile;
+                if (kb >= kStages) mbar_spin(&smem.empty[stage], (kb / kStages - 1) & 1);
+                mbar_arrive_expect_tx(&smem.full[stage], (kTile + kBlockN) * kTile);
+                tma_load_2d(smem.a[stage], &a_map, &smem.full[stage], k, row_begin);
+                tma_load_3d(smem.b[stage], &b_map, &smem.full[stage], k, col_tile * kBlockN, b_expert);
+            }
+        }
+    } else {
+        asm volatile("setmaxnreg.inc.sync.aligned.u32 %0;" ::"n"(kMathRegisters));
+        // Accumulator layout of m64nN: warp w of the warpgroup holds rows 16w + lane/4 and 8 below; the
+        // register pair 4j, 4j+1 holds columns 8j + 2(lane%4) + {0, 1} of the first, 4j+2, 4j+3 of the
+        // second. acc holds the column blocks one after another.
+        const int row_0 = row_begin + warpgroup * 64 + (warp % 4) * 16 + lane / 4;
+        const int row_1 = row_0 + 8;
+        // Rows past the end still go through the tensor cores (TMA fills them); their scale rows are clamped.
+        const int64_t k_scale_begin = k_block_begin * args.a_scale_k_stride;
+        const float* a_scale_0 =
+            args.a_scales + min(row_0, args.num_rows - 1) * args.a_scale_row_stride + k_scale_begin;
+        const float* a_scale_1 =
+            args.a_scales + min(row_1, args.num_rows - 1) * args.a_scale_row_stride + k_scale_begin;
+        const float* b_scale = args.b_scales + b_expert * args.b_scale_expert_stride +
+                               col_tile * kColumnBlocks * args.b_scale_row_stride +
+                               k_block_begin * args.b_scale_k_stride;
+        float acc[kAccum], part[kPart];
+#pragma unroll
+        for (int i = 0; i < kAccum; ++i) acc[i] = 0.0f;
+        // Scales of the first K block (never read past the end: an expert without K blocks reads none).
+        float a_0 = 0.0f, a_1 = 0.0f, b[kColumnBlocks] = {};
+        if (num_k_blocks > 0) {
+            a_0 = a_scale_0[0], a_1 = a_scale_1[0];
+#pragma unroll
+            for (int c = 0; c < kColumnBlocks; ++c) b[c] = b_scale[c * args.b_scale_row_stride];
+        }
+        for (int kb = 0; kb < num_k_blocks; ++kb) {
+            const int stage = kb % kStages;
+            mbar_spin(&smem.full[stage], (kb / kStages) & 1);
+            const uint64_t desc_a = smem_descriptor(smem.a[stage] + warpgroup * 64 * kTile);
+#pragma unroll
+            for (int c = 0; c < kColumnBlocks; ++c) {
+                const uint64_t desc_b = smem_descriptor(smem.b[stage] + c * kTile * kTile);
+                wgmma_fence();
+#pragma unroll
+                for (int k = 0; k < kTile / 32; ++k) {
+                    // 32 bytes further along K inside the swizzled rows: +2 in the 16-byte address field.
+                    wgmma_m64n128k32(part, desc_a + 2 * k, desc_b + 2 * k, k > 0);
+                }
+                wgmma_commit();
+                wgmma_wait_all();
+                fence_accumulator(part);
+                if (c == kColumnBlocks - 1 && lane == 0) mbar_arrive(&smem.empty[stage]);
+                const float scale_0 = a_0 * b[c], scale_1 = a_1 * b[c];
+                if (c == kColumnBlocks - 1 && kb + 1 < num_k_blocks) {
+                    // The next K block's scales, loaded while this block's last products are summed.
+                    a_0 = a_scale_0[(kb + 1) * args.a_scale_k_stride];
+                    a_1 = a_scale_1[(kb + 1) * args.a_scale_k_stride];
+#pragma unroll
+                    for (int n = 0; n < kColumnBlocks; ++n) {
+                        b[n] = b_scale[n * args.b_scale_row_stride + (kb + 1) * args.b_scale_k_stride];
+                    }
+                }
+#pragma unroll
+                for (int i = 0; i < kPart; ++i) acc[c * kPart + i] += part[i] * (i & 2 ? scale_1 : scale_0);
+            }
+        }
+
+        const int col = 2 * (lane % 4);
+#pragma unroll
+        for (int j = 0; j < kAccum / 4; ++j) {
+            if (row_0 < row_end) {
+                *reinterpret_cast<__nv_bfloat162*>(out + row_0 * args.out_row_stride + 8 * j + col) =
+                    __floats2bfloat162_rn(acc[4 * j], acc[4 * j + 1]);
+            }
+            if (row_1 < row_end) {
+                *reinterpret_cast<__nv_bfloat162*>(out + row_1 * args.out_row_stride + 8 * j + col) =
+                    __floats2bfloat162_rn(acc[4 * j + 2], acc[4 * j + 3]);
+            }
+        }
+    }
+#endif
+}
+
+__global__ void sm90a_probe(int* compiled) {
+#if defined(__CUDA_ARCH_FEAT_SM90_ALL)
+    *compiled = 1;
+#else
+    *compiled = 0;
+#endif
+}
+
+PFN_cuTensorMapEncodeTiled_v12000 tensor_map_encoder() {
+    static PFN_cuTensorMapEncodeTiled_v12000 encode = [] {
+        void* fn = nullptr;
+        cudaDriverEntryPointQueryResult status;
+        if (cudaGetDriverEntryPointByVersion("cuTensorMapEncodeTiled", &fn, 12000, cudaEnableDefault, &status) !=
+                cudaSuccess ||
+            status != cudaDriverEntryPointSuccess) {
+            fn = nullptr;
+        }
+        return reinterpret_cast<PFN_cuTensorMapEncodeTiled_v12000>(fn);
+    }();
+    return encode;
+}
+
+// A TMA map of e4m3 rows (innermost dimension K, contiguous) read in boxes of `box_rows` x 128 bytes
+// with the 128-byte swizzle; rows outside the tensor read as zeros.
+bool encode_operand_map(CUtensorMap* map, const void* base, int rank, const cuuint64_t* dims,
+                        const cuuint64_t* byte_strides, int box_rows) {
+    const PFN_cuTensorMapEncodeTiled_v12000 encode = tensor_map_encoder();
+    if (encode == nullptr) return false;
+    const cuuint32_t box[3] = {kTile, static_cast<cuuint32_t>(box_rows), 1};
+    const cuuint32_t element_strides[3] = {1, 1, 1};
+    return encode(map, CU_TENSOR_MAP_DATA_TYPE_UINT8, rank, const_cast<void*>(base), dims, byte_strides, box,
+                  element_strides, CU_TENSOR_MAP_INTERLEAVE_NONE, CU_TENSOR_MAP_SWIZZLE_128B,
+                  CU_TENSOR_MAP_L2_PROMOTION_L2_256B, CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE) == CUDA_SUCCESS;
+}
+
+template <int kBlockN>
+cudaError_t launch_tiles(const Fp8GroupedGemmArgs& args, cudaStream_t stream) {
+    CUtensorMap a_map, b_map;
+    const cuuint64_t a_dims[2] = {static_cast<cuuint64_t>(args.depth), static_cast<cuuint64_t>(args.num_rows)};
+    const cuuint64_t a_strides[1] = {static_cast<cuuint64_t>(args.a_row_stride)};
+    const cuuint64_t b_dims[3] = {static_cast<cuuint64_t>(args.depth), static_cast<cuuint64_t>(args.n_out),
+                                  static_cast<cuuint64_t>(args.group_depth ? 1 : args.num_experts)};
+    const cuuint64_t b_strides[2] = {static_cast<cuuint64_t>(args.b_row_stride),
+                                     static_cast<cuuint64_t>(args.b_expert_stride)};
+    if (!encode_operand_map(&a_map, args.a, 2, a_dims, a_strides, kTile) ||
+        !encode_operand_map(&b_map, args.b, 3, b_dims, b_strides, kBlockN)) {
+        return cudaErrorInvalidValue;
+    }
+    // Per launch, not once per process: the limit belongs to the current device's context.
+    const cudaError_t attribute =
+        cudaFuncSetAttribute(fp8_grouped_gemm_kernel<kBlockN>, cudaFuncAttributeMaxDynamicSharedMemorySize,
+                             static_cast<int>(kSmemBytes<kBlockN>));
+    if (attribute != cudaSuccess) return attribute;
+    // Grouped by rows, every segment wastes at most one partial tile, and the zero tail takes at most
+    // one more. Grouped by depth, the experts are slowest, so the blocks resident together read one
+    // expert's K range, which stays in L2.
+    const int row_slots = args.group_depth ? args.num_experts * (args.num_rows / kTile)
+                                           : (args.num_rows + kTile - 1) / kTile + args.num_experts + 1;
+    const int blocks = row_slots * (args.n_out / kBlockN);
+    fp8_grouped_gemm_kernel<kBlockN><<<blocks, kThreads, kSmemBytes<kBlockN>, stream>>>(a_map, b_map, args);
+    return cudaGetLastError();
+}
+
+}  // namespace
+
+int fp8_grouped_gemm_tile() { return kTile; }
+
+bool fp8_grouped_gemm_supported() {
+    static const bool supported = [] {
+        int* flag = nullptr;
+        int compiled = 0;
+        if (tensor_map_encoder() == nullptr || cudaMalloc(&flag, sizeof(int)) != cudaSuccess) return false;
+        sm90a_probe<<<1, 1>>>(flag);
+        const bool ok = cudaMemcpy(&compiled, flag, sizeof(int), cudaMemcpyDeviceToHost) == cudaSuccess;
+        cudaFree(flag);
+        return ok && compiled == 1;
+    }();
+    return supported;
+}
+
+cudaError_t launch_fp8_grouped_gemm(const Fp8GroupedGemmArgs& args, cudaStream_t stream) {
+    return args.n_out % 256 == 0 ? launch_tiles<256>(args, stream) : launch_tiles<128>(args, stream);
+}
+
+}  // namespace moe_ep::kernels

@@ -1,0 +1,363 @@
+// Low-latency combine (the protocol: low_latency/api.cuh).
+//
+// Semantics (docs/semantics.md): the rank r holding experts of token t of source s reduces them first,
+// P[r, t] = bf16(sum over t's slots j on r, in slot order, of w[t, j] * y[e_j][row of t]) in float32 with
+// separate multiply and add, and sends the one row P[r, t] to s; s sums the partial rows of t's ranks in
+// ascending rank order in float32 and rounds to BF16 (out[t] = 0 when t has no valid slot).
+//
+// The weights are combine arguments, known only on s: the send phase first sends each token's top-k ids
+// and weights to every rank hosting one of its experts (metadata), then reduces the tokens it received
+// in the dispatch as their metadata arrives. Send phase, in two loops so that every warp has made all of
+// its stores before it waits for anything:
+//  1. stores only: items t < T send token t's metadata (entries, then one release flag per destination,
+//     lanes in parallel); items T + (local expert, source) record where each of the pair's packed rows
+//     lies: rowmap[source][token][local expert] = row, tagged with the operation;
+//  2. one warp per received row (workers per (local expert, source) pair, as the dispatch receive): wait
+//     for its token's metadata; the row of the token's first slot on this rank reduces all of the token's
+//     local rows (their positions from the rowmap) and stores P to data[this rank][token] of the source,
+//     then releases flags[this rank][token] there; the other rows are done.
+// Receive phase: a block per token waits for the flags of the ranks its valid slots name and sums their
+// partial rows in ascending rank order.
+#include <climits>
+
+#include <cuda_bf16.h>
+
+#include "low_latency/kernels/operation.cuh"
+#include "low_latency/kernels/schedule.cuh"
+#include "low_latency/kernels/signals.cuh"
+
+namespace moe_ep::kernels::ll {
+
+namespace {
+
+constexpr int kPartialUnroll = 4;  // vectors per lane reduced together into a partial row
+constexpr int kPartialRows = 2;    // local expert rows loaded together into a partial row
+constexpr int kReduceBatch = 8;    // partial rows loaded together by the receive phase's sum
+
+// The rank hosting a top-k slot's expert; -1 for a masked (or out-of-range) slot.
+MOE_EP_DEVICE int rank_of_slot(int64_t expert, int num_experts, int num_local) {
+    return expert >= 0 && expert < num_experts ? static_cast<int>(expert) / num_local : -1;
+}
+
+// Lane j holds slot j's rank (-1 for none): true on the lane of the first slot of each rank.
+MOE_EP_DEVICE bool first_slot_of_rank(int rank, int lane) {
+    const uint32_t same = __match_any_sync(kFullMask, rank);
+    return rank >= 0 && __ffs(same) - 1 == lane;
+}
+
+// Loop 1: token `t`'s ids and weights into entries meta[this rank][t][j] of every rank hosting one of its
+// experts, then one flag per destination (each released by the lane of its first slot). True when
+// NVSHMEM puts were issued (peers without P2P, staged once in stage_meta[t]).
+MOE_EP_DEVICE bool send_metadata(const CombineArgs& a, const Context& c, const Layout& L, const Phase& op, int t,
+                                 int lane) {
+    const int num_local = a.num_experts / c.comm.num_ranks;
+    const int64_t at = static_cast<int64_t>(t) * a.num_topk + lane;
+    const int64_t e = lane < a.num_topk ? __ldg(a.topk_idx + at) : -1;
+    const float weight = lane < a.num_topk ? __ldg(a.topk_weights + at) : 0.0f;
+    const int dst = rank_of_slot(e, a.num_experts, num_local);
+    const bool first = first_slot_of_rank(dst, lane);
+    const uint32_t firsts = __ballot_sync(kFullMask, first);
+    const int64_t pair = static_cast<int64_t>(c.comm.rank) * a.max_tokens + t;  // (source, token) on the destination
+    const int64_t entry_offset = op.meta + pair * kMetaBytes + lane * kMetaEntryBytes;
+    const uint2 entry = make_uint2(static_cast<uint32_t>(dst >= 0 ? static_cast<int>(e) : -1), __float_as_uint(weight));
+    const uint64_t signal = make_signal(op.tag, 0);
+    bool puts = false;
+    for (uint32_t rest = firsts; rest != 0; rest &= rest - 1) {
+        uint8_t* peer = c.peers[__shfl_sync(kFullMask, dst, __ffs(rest) - 1)];
+        if (peer == nullptr)
+            puts = true;
+        else if (lane < a.num_topk)
+            *reinterpret_cast<uint2*>(peer + entry_offset) = entry;
+    }
+    if (puts) {
+        uint8_t* staged = c.local + L.stage_meta + static_cast<int64_t>(t) * kMetaBytes;
+        if (lane < a.num_topk) reinterpret_cast<uint2*>(staged)[lane] = entry;
+        for (uint32_t rest = firsts; rest != 0; rest &= rest - 1) {
+            const int r = __shfl_sync(kFullMask, dst, __ffs(rest) - 1);
+            if (c.peers[r] == nullptr)
+                put_row_with_signal(c.local + op.meta + pair * kMetaBytes, staged, a.num_topk * kMetaEntryBytes,
+                                    reinterpret_cast<uint64_t*>(c.local + op.meta_flags + pair * 8), signal, r);
+        }
+    }
+    // __syncwarp orders every lane's entry stores before the releases (release is cumulative).
+    __syncwarp();
+    if (first && c.peers[dst] != nullptr)
+        st_release_sys_u64(reinterpret_cast<uint64_t*>(c.peers[dst] + op.meta_flags + pair * 8), signal);
+    return puts;
+}
+
+// Loop 1: rowmap[source][token][local expert] = packed row, for every row of the pair (lanes over rows).
+MOE_EP_DEVICE void record_rows(const CombineArgs& a, const Context& c, const Layout& L, const Phase& op, int pair,
+                               int lane) {
+    const int num_ranks = c.comm.num_ranks;
+    const int num_local = a.num_experts / num_ranks;
+    const int local_expert = pair / num_ranks, src = pair % num_ranks;
+    const int64_t range = __ldg(a.layout_range + local_expert * num_ranks + src);
+    const int count = static_cast<int>(range & 0xffffffff), begin = static_cast<int>(range >> 32);
+    const int64_t slots = static_cast<int64_t>(num_ranks) * a.max_tokens;
+    uint64_t* rowmap = reinterpret_cast<uint64_t*>(c.local + L.rowmap);
+    for (int i = lane; i < count; i += 32) {
+        const int row = begin + i;
+        const int token = __ldg(a.src_info + local_expert * slots + row);
+        if (token >= 0 && token < a.max_tokens)
+            st_relaxed_gpu_u64(rowmap + (static_cast<int64_t>(src) * a.max_tokens + token) * num_local + local_expert,
+                               make_signal(op.tag, static_cast<uint32_t>(row)));
+    }
+}
+
+MOE_EP_DEVICE void add_weighted(float* acc, const int4& row, float w) {
+    const __nv_bfloat162* y = reinterpret_cast<const __nv_bfloat162*>(&row);
+#pragma unroll
+    for (int i = 0; i < 4; ++i) {
+        const float2 f = __bfloat1622float2(y[i]);
+        acc[2 * i] = __fadd_rn(acc[2 * i], __fmul_rn(w, f.x));
+        acc[2 * i + 1] = __fadd_rn(acc[2 * i + 1], __fmul_rn(w, f.y));
+    }
+}
+
+MOE_EP_DEVICE int4 to_bf16x8(const float* acc) {
+    int4 result;
+    __nv_bfloat162* out = reinterpret_cast<__nv_bfloat162*>(&result);
+#pragma unroll
+    for (int i = 0; i < 4; ++i) out[i] = __floats2bfloat162_rn(acc[2 * i], acc[2 * i + 1]);
+    return result;
+}
+
+// dst = bf16(sum over the slots of `slots` in slot order of weight_j * row_j) with the whole warp; lane j
+// holds slot j's `row` and `weight`.
+MOE_EP_DEVICE void reduce_partial_row(int4* dst, const int4* row, float weight, uint32_t slots, int vectors, int lane) {
+    for (int base = 0; base < vectors; base += 32 * kPartialUnroll) {
+        float acc[kPartialUnroll][8];
+#pragma unroll
+        for (int u = 0; u < kPartialUnroll; ++u)
+#pragma unroll
+            for (int i = 0; i < 8; ++i) acc[u][i] = 0.0f;
+        for (uint32_t rest = slots; rest != 0;) {
+            // Up to kPartialRows slots at a time: their loads are all in flight before the first is added.
+            int4 v[kPartialRows][kPartialUnroll];
+            float w[kPartialRows];
+            int taken = 0;
+#pragma unroll
+            for (int s = 0; s < kPartialRows; ++s) {
+                const int j = __ffs(rest) - 1;  // -1 once `rest` is empty: nothing loaded for it
+                const int4* src = reinterpret_cast<const int4*>(
+                    __shfl_sync(kFullMask, reinterpret_cast<uintptr_t>(row), max(j, 0)));
+                w[s] = __shfl_sync(kFullMask, weight, max(j, 0));
+                if (j >= 0) {
+                    rest &= rest - 1;
+                    taken = s + 1;
+#pragma unroll
+                    for (int u = 0; u < kPartialUnroll; ++u) {
+                        const int i = base + u * 32 + lane;
+                        if (i < vectors) v[s][u] = __ldg(src + i);
+                    }
+                }
+            }
+#pragma unroll
+            for (int s = 0; s < kPartialRows; ++s)
+                if (s < taken)
+#pragma unroll
+                    for (int u = 0; u < kPartialUnroll; ++u) add_weighted(acc[u], v[s][u], w[s]);
+        }
+#pragma unroll
+        for (int u = 0; u < kPartialUnroll; ++u) {
+            const int i = base + u * 32 + lane;
+            if (i < vectors) dst[i] = to_bf16x8(acc[u]);
+        }
+    }
+}
+
+// Loop 2, for one received row (local expert, source `src`, `token`): waits for the token's metadata;
+// if the row belongs to the token's first slot on this rank, reduces all of the token's local rows into
+// its partial row and delivers it to `src` (rows of the token's other slots are done). False when a
+// wait gave up.
+MOE_EP_DEVICE bool reduce_token(const CombineArgs& a, const Context& c, const Layout& L, const Phase& op,
+                                int local_expert, int src, int token, int lane, uint64_t& waited, bool& used_puts) {
+    const int num_ranks = c.comm.num_ranks, rank = c.comm.rank;
+    const int num_local = a.num_experts / num_ranks;
+    const int64_t pair = static_cast<int64_t>(src) * a.max_tokens + token;
+    bool ok = true;
+    if (lane == 0) {
+        uint32_t unused;
+        ok = wait_signal(reinterpret_cast<const uint64_t*>(c.local + op.meta_flags) + pair, op.tag, c, unused, waited);
+    }
+    // __syncwarp orders lane 0's acquire before the other lanes' reads of the entries.
+    __syncwarp();
+    if (!__shfl_sync(kFullMask, ok, 0)) return false;
+    int expert = -1;
+    float weight = 0.0f;
+    if (lane < a.num_topk) {
+        const uint2 entry = reinterpret_cast<const uint2*>(c.local + op.meta + pair * kMetaBytes)[lane];
+        expert = static_cast<int>(entry.x);
+        weight = __uint_as_float(entry.y);
+    }
+    const int first_expert = rank * num_local;
+    const bool here = expert >= first_expert && expert < first_expert + num_local;
+    const uint32_t slots = __ballot_sync(kFullMask, here);
+    if (slots == 0 || __shfl_sync(kFullMask, expert, __ffs(slots) - 1) != first_expert + local_expert) return true;
+
+    // Rows of the token's other local experts: recorded in loop 1 of this phase, maybe by another warp.
+    const int4* row = nullptr;
+    if (here) {
+        const uint64_t* entry = reinterpret_cast<const uint64_t*>(c.local + L.rowmap) + pair * num_local +
+                                (expert - first_expert);
+        uint64_t v = 0;
+        ok = wait_until(
+            [&] {
+                v = ld_acquire_gpu_u64(entry);
+                return (v >> 32) == op.tag;
+            },
+            c.comm, &c.state->abort, kErrInternalTimeout);
+        const int64_t packed = static_cast<int64_t>(expert - first_expert) * num_ranks * a.max_tokens +
+                               static_cast<uint32_t>(v);
+        row = static_cast<const int4*>(a.x) + packed * (a.hidden / 8);
+    }
+    if (__any_sync(kFullMask, !ok)) return false;
+
+    uint8_t* peer = c.peers[src];
+    const int64_t slot = static_cast<int64_t>(rank) * a.max_tokens + token;  // [this rank][token] on the source
+    const int64_t data_offset = op.data + slot * L.row_bytes;
+    uint8_t* out = peer != nullptr ? peer + data_offset : c.local + L.stage + pair * L.row_bytes;
+    reduce_partial_row(reinterpret_cast<int4*>(out), row, weight, slots, a.hidden / 8, lane);
+    const uint64_t signal = make_signal(op.tag, 0);
+    const int64_t flag_offset = op.flags + slot * 8;
+    if (peer != nullptr) {
+        __syncwarp();  // orders every lane's stores before lane 0's release
+        if (lane == 0) st_release_sys_u64(reinterpret_cast<uint64_t*>(peer + flag_offset), signal);
+    } else {
+        put_row_with_signal(c.local + data_offset, out, L.row_bytes, reinterpret_cast<uint64_t*>(c.local + flag_offset),
+                            signal, src);
+        used_puts = true;
+    }
+    return true;
+}
+
+MOE_EP_DEVICE void combine_send(const CombineArgs& a, const Context& c, const Layout& L, const Phase& op) {
+    const int num_ranks = c.comm.num_ranks;
+    const int64_t slots = static_cast<int64_t>(num_ranks) * a.max_tokens;
+    const int num_pairs = a.num_experts;  // (local expert, source)
+    const WarpSchedule ws = WarpSchedule::make();
+    const int lane = ws.lane;
+    bool used_puts = false;
+    // Loop 1: stores only.
+    for (int item = ws.warp; item < a.num_tokens + num_pairs; item += ws.num_warps) {
+        if (item < a.num_tokens)
+            used_puts |= send_metadata(a, c, L, op, item, lane);
+        else
+            record_rows(a, c, L, op, item - a.num_tokens, lane);
+    }
+    // Loop 2: every received row, `workers` warps per (local expert, source) pair.
+    const int workers = ws.workers_per_item(num_pairs);
+    for (int v = ws.warp; v < num_pairs * workers; v += ws.num_warps) {
+        const int pair = v % num_pairs, sub = v / num_pairs;
+        const int local_expert = pair / num_ranks, src = pair % num_ranks;
+        const int64_t range = __ldg(a.layout_range + local_expert * num_ranks + src);
+        const int count = static_cast<int>(range & 0xffffffff), begin = static_cast<int>(range >> 32);
+        uint64_t waited = 0;
+        bool ok = true;
+        for (int i = sub; i < count && ok; i += workers) {
+            const int token = __ldg(a.src_info + local_expert * slots + begin + i);
+            if (token < 0 || token >= a.max_tokens) continue;
+            ok = reduce_token(a, c, L, op, local_expert, src, token, lane, waited, used_puts);
+        }
+        if (lane == 0) add_wait(a.wait_stats, src, waited);  // metadata waits count for the source
+        if (!ok) break;
+    }
+    if (used_puts) complete_puts();
+}
+
+// out[t] = bf16(sum over the ranks hosting t's valid slots, ascending, of float(P[r, t])) in float32.
+MOE_EP_DEVICE void combine_recv(const CombineArgs& a, const Context& c, const Layout& L, const Phase& op) {
+    __shared__ int s_ranks[kNumMaxTopk];
+    __shared__ int s_count;
+    __shared__ int s_failed;
+    const int num_ranks = c.comm.num_ranks;
+    const int num_local = a.num_experts / num_ranks;
+    const int vectors = a.hidden / 8;
+    const uint64_t* flags = reinterpret_cast<const uint64_t*>(c.local + op.flags);
+    const uint8_t* data = c.local + op.data;
+    for (int t = blockIdx.x; t < a.num_tokens; t += gridDim.x) {
+        if (threadIdx.x < 32) {
+            const int lane = threadIdx.x;
+            const int64_t e = lane < a.num_topk ? __ldg(a.topk_idx + static_cast<int64_t>(t) * a.num_topk + lane) : -1;
+            const int r = rank_of_slot(e, a.num_experts, num_local);
+            const bool first = first_slot_of_rank(r, lane);
+            // The position of r among the token's ranks in ascending order.
+            int position = 0;
+            if (num_ranks <= 32) {
+                const uint32_t ranks = __reduce_or_sync(kFullMask, first ? 1u << r : 0u);
+                position = first ? __popc(ranks & ((1u << r) - 1u)) : 0;
+            } else {
+                const int key = first ? r : INT_MAX;
+                for (int i = 0; i < 32; ++i) position += __shfl_sync(kFullMask, key, i) < key;
+            }
+            const int count = __popc(__ballot_sync(kFullMask, first));
+            bool ok = true;
+            if (first) {
+                uint64_t waited = 0;
+                uint32_t unused;
+                ok = wait_signal(flags + static_cast<int64_t>(r) * a.max_tokens + t, op.tag, c, unused, waited);
+                add_wait(a.wait_stats, r, waited);
+                s_ranks[position] = r;
+            }
+            const bool failed = __any_sync(kFullMask, !ok);
+            if (lane == 0) {
+                s_failed = failed;
+                s_count = count;
+            }
+        }
+        // The barrier orders the acquires of warp 0 before every thread's reads of the rows.
+        __syncthreads();
+        if (s_failed) return;
+        const int count = s_count;
+        for (int vec = threadIdx.x; vec < vectors; vec += blockDim.x) {
+            float acc[8];
+#pragma unroll
+            for (int i = 0; i < 8; ++i) acc[i] = 0.0f;
+            for (int p0 = 0; p0 < count; p0 += kReduceBatch) {
+                int4 rows[kReduceBatch];
+#pragma unroll
+                for (int u = 0; u < kReduceBatch; ++u)
+                    if (p0 + u < count)
+                        rows[u] = reinterpret_cast<const int4*>(
+                            data + (static_cast<int64_t>(s_ranks[p0 + u]) * a.max_tokens + t) * L.row_bytes)[vec];
+#pragma unroll
+                for (int u = 0; u < kReduceBatch; ++u) {
+                    if (p0 + u >= count) continue;
+                    const __nv_bfloat162* y = reinterpret_cast<const __nv_bfloat162*>(&rows[u]);
+#pragma unroll
+                    for (int i = 0; i < 4; ++i) {
+                        const float2 f = __bfloat1622float2(y[i]);
+                        acc[2 * i] = __fadd_rn(acc[2 * i], f.x);
+                        acc[2 * i + 1] = __fadd_rn(acc[2 * i + 1], f.y);
+                    }
+                }
+            }
+            static_cast<int4*>(a.out)[static_cast<int64_t>(t) * vectors + vec] = to_bf16x8(acc);
+        }
+        __syncthreads();  // s_ranks / s_count are rewritten for the next token
+    }
+}
+
+__global__ void __launch_bounds__(kBlockThreads, 1)
+    combine_kernel(const CombineArgs args, const Context ctx, const Layout layout, int phases) {
+    const Operation op = begin_operation(ctx, layout);
+    if (op.abort) return;
+    if (phases & kSendPhase) {
+        if (wait_for_receivers(ctx, layout, op.send)) combine_send(args, ctx, layout, op.send);
+        finish_phase(&ctx.state->send_done, &ctx.state->send_seq);
+    }
+    if (phases & kRecvPhase) {
+        combine_recv(args, ctx, layout, op.recv);
+        if (finish_phase(&ctx.state->recv_done, &ctx.state->recv_seq)) acknowledge(ctx, layout, op.recv.seq + 1);
+    }
+}
+
+}  // namespace
+
+cudaError_t launch_combine(const CombineArgs& args, const Context& ctx, const Layout& layout, int phases,
+                           cudaStream_t stream) {
+    return launch_cooperative(combine_kernel, ctx.num_blocks, 0, stream, args, ctx, layout, phases);
+}
+
+}  // namespace moe_ep::kernels::ll

@@ -1,0 +1,73 @@
+// Signals of the low-latency protocol (low_latency/api.cuh): 64-bit words carrying an operation's tag
+// and a value, stored with release semantics into mapped peers, or put through NVSHMEM to the others.
+#pragma once
+
+#include "common/common.cuh"
+#include "low_latency/api.cuh"
+
+#ifndef MOE_EP_LL_P2P_ONLY
+#include <nvshmem.h>
+#include <nvshmemx.h>
+#endif
+
+namespace moe_ep::kernels::ll {
+
+namespace {  // local to each translation unit (csrc/README.md)
+
+MOE_EP_DEVICE uint64_t make_signal(uint32_t tag, uint32_t value) {
+    return (static_cast<uint64_t>(tag) << 32) | value;
+}
+
+// Waits until `*signal` carries `tag`, then yields its value. The time spent spinning is added to
+// `waited_ns`. False when this rank gave up (timeout here or elsewhere: the error is reported).
+MOE_EP_DEVICE bool wait_signal(const uint64_t* signal, uint32_t tag, const Context& c, uint32_t& value,
+                               uint64_t& waited_ns) {
+    uint64_t v = ld_acquire_sys_u64(signal);
+    if ((v >> 32) != tag) {
+        const uint64_t start = global_timer_ns();
+        const bool ok = wait_until(
+            [&] {
+                v = ld_acquire_sys_u64(signal);
+                return (v >> 32) == tag;
+            },
+            c.comm, &c.state->abort, kErrRecvTimeout);
+        waited_ns += global_timer_ns() - start;
+        if (!ok) return false;
+    }
+    value = static_cast<uint32_t>(v);
+    return true;
+}
+
+MOE_EP_DEVICE void add_wait(int64_t* stats, int rank, uint64_t waited_ns) {
+    if (stats != nullptr && waited_ns != 0)
+        atomicAdd(reinterpret_cast<unsigned long long*>(stats + rank), static_cast<unsigned long long>(waited_ns));
+}
+
+// ------------------------------------------------------------------ transport to peers without P2P
+
+#ifndef MOE_EP_LL_P2P_ONLY
+// NVSHMEM delivers the row, then its signal. `staged` must be symmetric memory written by this warp. Out of
+// line: peers without P2P are the cold path, and inlined into the dispatch loop it made the kernel spill.
+__device__ __noinline__ void put_row_with_signal(uint8_t* sym_dst, const uint8_t* staged, size_t bytes,
+                                                 uint64_t* sym_signal, uint64_t signal, int pe) {
+    __threadfence_system();  // the staged row must be visible to the transport (a NIC) before it reads it
+    __syncwarp();
+    nvshmemx_putmem_signal_nbi_warp(sym_dst, staged, bytes, sym_signal, signal, NVSHMEM_SIGNAL_SET, pe);
+}
+
+MOE_EP_DEVICE void put_signal(uint64_t* sym_signal, uint64_t signal, int pe) {
+    nvshmemx_signal_op(sym_signal, signal, NVSHMEM_SIGNAL_SET, pe);
+}
+
+MOE_EP_DEVICE void complete_puts() { nvshmem_quiet(); }
+#else
+// MOE_EP_LL_P2P_ONLY: without NVSHMEM's device library (the P2P-only module, whose runtime requires every
+// peer mapped, and the compile check) peers are only ever written with direct stores.
+MOE_EP_DEVICE void put_row_with_signal(uint8_t*, const uint8_t*, size_t, uint64_t*, uint64_t, int) { __trap(); }
+MOE_EP_DEVICE void put_signal(uint64_t*, uint64_t, int) { __trap(); }
+MOE_EP_DEVICE void complete_puts() {}
+#endif
+
+}  // namespace
+
+}  // namespace moe_ep::kernels::ll
