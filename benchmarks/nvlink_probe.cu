@@ -6,7 +6,7 @@
 // same time, warp w of a GPU moving its rows to or from its peer number w % (gpus - 1) (with 4 GPUs: an
 // all-to-all, like the dispatch and combine); the printed GB/s is per GPU and direction (bytes / time
 // of the slowest GPU).
-//   nvcc -O3 -std=c++17 -I csrc/kernels -gencode arch=compute_90a,code=sm_90a -o /tmp/nvlink_probe \
+//   nvcc -O3 -std=c++17 -I csrc -gencode arch=compute_90a,code=sm_90a -o /tmp/nvlink_probe \
 //       benchmarks/nvlink_probe.cu
 //   /tmp/nvlink_probe [rows] [row_bytes] [gpus]   (gpus default 2; prints one JSON object per line)
 #include <cstdint>
@@ -14,7 +14,7 @@
 #include <cstdlib>
 #include <cuda_runtime.h>
 
-#include "common.cuh"  // bulk copies and mbarriers of the kernels (csrc/kernels)
+#include "common/common.cuh"  // bulk copies and mbarriers of the kernels
 
 #define CHECK(call)                                                                            \
     do {                                                                                       \

@@ -128,7 +128,7 @@ has fp8gemm && run_bench "FP8 grouped GEMM" "${FP8GEMM_TIMEOUT:-150}" bench_fp8_
 if has probe; then
     start=$(date +%s)
     echo "================ NVLink probe" >> "$OUT/bench.log"
-    nvcc -O3 -std=c++17 -I csrc/kernels -gencode arch=compute_90a,code=sm_90a -o /tmp/nvlink_probe \
+    nvcc -O3 -std=c++17 -I csrc -gencode arch=compute_90a,code=sm_90a -o /tmp/nvlink_probe \
         benchmarks/nvlink_probe.cu \
         >> "$OUT/bench.log" 2>&1 && timeout 120 /tmp/nvlink_probe ${PROBE_ARGS:-} | tee "$FILES/nvlink_probe.jsonl" >> "$OUT/bench.log"
     summary+=("probe: rc=$? in $(( $(date +%s) - start )) s")
