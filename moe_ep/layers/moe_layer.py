@@ -7,13 +7,14 @@ must call `forward` (and backward) or `decode` together, as with any collective.
 
 from __future__ import annotations
 
-from typing import Any, Optional
+from typing import Any, ContextManager, Optional
 
 import torch
 import torch.distributed as dist
 from torch import nn
 
 from ..ops import Buffer
+from ..ops.validation import check_tensor
 from .config import MoEConfig
 from .dispatcher import ExpertInput, MoETokenDispatcher
 from .experts import GroupedMLP
@@ -113,10 +114,12 @@ class MoELayer(nn.Module):
         """MoE output of `hidden [..., H]`, same shape and dtype. Tokens form sequences of `seq_len`
         for the sequence-wise aux loss: by default the second-to-last dimension of a `[B, S, H]` input,
         one sequence for `[T, H]`."""
-        if seq_len is None and hidden.dim() == 3:
-            seq_len = hidden.size(1)
-        x = hidden.reshape(-1, self.config.hidden_size)
-        topk_idx, topk_weights = self.router(x, seq_len=seq_len)
+        with self._input_check("MoELayer.forward"):
+            self._check_hidden(hidden)
+            if seq_len is None and hidden.dim() == 3:
+                seq_len = hidden.size(1)
+            x = hidden.reshape(-1, self.config.hidden_size)
+            topk_idx, topk_weights = self.router(x, seq_len=seq_len)
         shared = self._start_shared(x)
         routed = self.dispatcher.dispatch(x, topk_idx, topk_weights)
         out = self.dispatcher.combine(self._run_experts(routed)).to(x.dtype)
@@ -134,14 +137,16 @@ class MoELayer(nn.Module):
         at most two low-latency results are in flight at a time, as DeepEP's double buffering allows.
         """
         cfg = self.config
-        x = hidden.reshape(-1, cfg.hidden_size)
-        if cfg.low_latency_max_tokens is None:
-            raise ValueError("decode: set config.low_latency_max_tokens")
+        with self._input_check("MoELayer.decode"):
+            self._check_hidden(hidden)
+            if cfg.low_latency_max_tokens is None:
+                raise ValueError("decode: set config.low_latency_max_tokens")
+            x = hidden.reshape(-1, cfg.hidden_size)
+            topk_idx, topk_weights = self.router(x)
         if self._decode_buffer is None:
             self._decode_buffer = shared_buffer(self.group, cfg, self._token_dtype, low_latency=True,
                                                 backend=self.backend)
         buffer = self._decode_buffer
-        topk_idx, topk_weights = self.router(x)
         shared = self._start_shared(x)
         half = (x.size(0) + 1) // 2
         parts = [(x[s], topk_idx[s], topk_weights[s]) for s in (slice(0, half), slice(half, None))]
@@ -159,6 +164,17 @@ class MoELayer(nn.Module):
             combine_hook()
         out = torch.cat(combined).to(x.dtype)
         return self._add_shared(out, shared).view(hidden.shape)
+
+    def _input_check(self, op: str) -> ContextManager[None]:
+        """This rank's input checks for `op`, whose failure every rank of the group learns (`Buffer.input_check`)."""
+        return self.dispatcher.buffer.input_check(op, self.router.weight.device)
+
+    def _check_hidden(self, hidden: object) -> None:
+        """`hidden [..., H]`: checked before any reshape, which would regroup another hidden size silently."""
+        check_tensor("hidden", hidden)
+        if hidden.dim() < 1 or hidden.size(-1) != self.config.hidden_size:
+            raise ValueError(f"hidden: expected shape [..., {self.config.hidden_size}] (the last dimension is "
+                             f"config.hidden_size), got {list(hidden.shape)}")
 
     def _run_experts(self, routed: ExpertInput) -> torch.Tensor:
         return self.experts(routed.tokens, routed.tokens_per_expert, carrier=routed.carrier,

@@ -45,12 +45,16 @@ def load_balancing_loss(probs: torch.Tensor, selected: torch.Tensor, topk: int) 
     Switch/GShard; one group per sequence is DeepSeek-V3's sequence-wise loss.
     """
     num_tokens, num_experts = probs.shape[-2:]
+    if probs.numel() == 0:  # no tokens (a rank with an empty batch): nothing to balance, and no 0 / 0
+        return probs.sum()  # zero, with a zero gradient
     fraction = selected.float().sum(-2) * (num_experts / (topk * num_tokens))
     return (fraction * probs.mean(-2)).sum(-1).mean()
 
 
 def z_loss(logits: torch.Tensor) -> torch.Tensor:
-    """ST-MoE router z-loss: mean over tokens of `logsumexp(logits)^2`."""
+    """ST-MoE router z-loss: mean over tokens of `logsumexp(logits)^2` (zero without tokens)."""
+    if logits.size(0) == 0:
+        return logits.sum()  # zero, with a zero gradient, where the mean of nothing would be NaN
     return torch.logsumexp(logits, dim=-1).square().mean()
 
 
@@ -152,7 +156,7 @@ class TopKRouter(nn.Module):
                 losses["aux_loss"] = cfg.aux_loss_coeff * load_balancing_loss(
                     probs[None], selected[None], cfg.num_experts_per_tok)
             if cfg.seq_aux_loss_coeff > 0:
-                split = seq_len or logits.size(0)
+                split = seq_len or max(logits.size(0), 1)  # one sequence; none without tokens
                 losses["seq_aux_loss"] = cfg.seq_aux_loss_coeff * load_balancing_loss(
                     rearrange(probs, "(b s) e -> b s e", s=split),
                     rearrange(selected, "(b s) e -> b s e", s=split), cfg.num_experts_per_tok)

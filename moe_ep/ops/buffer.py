@@ -2,7 +2,8 @@
 
 from __future__ import annotations
 
-from typing import Callable, Optional, TypeVar, Union
+import contextlib
+from typing import Callable, Iterator, Optional, TypeVar, Union
 
 import torch
 import torch.distributed as dist
@@ -220,19 +221,29 @@ class Buffer:
             return self._torch
         return backend
 
+    @contextlib.contextmanager
+    def input_check(self, op: str, device: torch.device) -> Iterator[None]:
+        """Run this rank's own argument checks for `op` (on `device`'s backend) so that every rank learns
+        of a failure: a `TypeError` or `ValueError` raised inside is re-raised here once the peers know,
+        and they raise `PeerInputError` naming this rank and the argument at the start of their next
+        operation on the group (torch backend; with the CUDA backend they time out instead). Nothing is
+        exchanged while the checks pass. The Buffer's own calls and the layers' checks use it."""
+        try:
+            yield
+        except (TypeError, ValueError) as exc:
+            self._backend_for(torch.empty(0, device=device)).agree(op, {}, exc, device)  # raises `exc`
+            raise
+
     def _request(self, op: str, x: object, build: Callable[[], RequestT],
                  low_latency: bool = False) -> tuple[CommBackend, RequestT]:
         """The backend for `x`'s device and the checked request `build` returns; if any rank's checks
         failed, every rank raises (the failing rank its own error)."""
         tensor = x if isinstance(x, torch.Tensor) else torch.empty(0)
         backend = self._backend_for(tensor) if low_latency else self._normal_backend_for(tensor)
-        try:
+        with self.input_check(op, tensor.device):
             if low_latency:
                 self._require_low_latency(op)
             request = build()
-        except (TypeError, ValueError) as exc:
-            backend.agree(op, {}, exc, tensor.device)  # raises `exc` once the peers know
-            raise
         backend.agree(op, request.agreed(), None, tensor.device)
         return backend, request
 
@@ -264,9 +275,10 @@ class Buffer:
         Returns `(num_tokens_per_rank [R] int32, num_tokens_per_rdma_rank (None in one node),
         num_tokens_per_expert [E] int32, is_token_in_rank [T, R] bool, event)`.
         """
-        check.check_topk_idx("topk_idx", topk_idx, None, getattr(topk_idx, "device", None))
-        check.check_num_experts(num_experts, self.group_size)
-        check.check_topk_values("topk_idx", topk_idx, num_experts)
+        with self.input_check("get_dispatch_layout", getattr(topk_idx, "device", torch.device("cpu"))):
+            check.check_topk_idx("topk_idx", topk_idx, None, getattr(topk_idx, "device", None))
+            check.check_num_experts(num_experts, self.group_size)
+            check.check_topk_values("topk_idx", topk_idx, num_experts)
         backend = self._normal_backend_for(topk_idx)
         scope = self._scope(topk_idx.device, previous_event, async_finish, allocate_on_comm_stream)
         with scope.run():
@@ -432,9 +444,12 @@ class Buffer:
         scope = self._scope(request.x.device, None, async_finish, False)
         with scope.run():
             result, hook = backend.low_latency_dispatch(request)
-        event = scope.finish(request.inputs(), [result.recv_x, result.recv_x_scales, result.recv_count, result.handle])
+        # The combine must route as this dispatch did: the handle records it (the values, copied on the
+        # current stream where topk_idx was made, only while value checks are on, which compare them).
+        handle = result.handle.with_routing(request.topk_idx, check.value_checks_enabled())
+        event = scope.finish(request.inputs(), [result.recv_x, result.recv_x_scales, result.recv_count, handle])
         recv = (result.recv_x, result.recv_x_scales) if use_fp8 else result.recv_x
-        return recv, result.recv_count, result.handle, event, hook
+        return recv, result.recv_count, handle, event, hook
 
     def low_latency_combine(
         self,

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from typing import NamedTuple
+from typing import NamedTuple, Optional
 
 import torch
 
@@ -42,11 +42,34 @@ class InternodeDispatchHandle(NamedTuple):
     send_nvl_head: torch.Tensor  # [N_rail, L] int32, forwarder side, row inside the block forwarded to each local rank
 
 
-class LowLatencyHandle(NamedTuple):
-    """Layout of one low-latency dispatch, reused by low-latency combine."""
+class DispatchedRouting(NamedTuple):
+    """What a low-latency combine must repeat of its dispatch's routing."""
 
+    shape: tuple[int, int]  # (T, k) of the dispatch's topk_idx
+    topk_idx: Optional[torch.Tensor]  # a copy of it, kept while value checks are on
+
+
+class _LowLatencyHandleFields(NamedTuple):
     src_info: torch.Tensor  # [E_local, R * max_tokens] int32, source token index of each packed row
     layout_range: torch.Tensor  # [E_local, R] int64, count | begin << 32
     num_max_dispatch_tokens_per_rank: int
     hidden: int
     num_experts: int
+
+
+class LowLatencyHandle(_LowLatencyHandleFields):
+    """Layout of one low-latency dispatch, reused by low-latency combine; a 5-tuple like DeepEP's.
+
+    Besides its five fields, a handle made by `Buffer.low_latency_dispatch` carries `routing`, the
+    dispatch's top-k that the combine must repeat (`Buffer` checks it); a handle rebuilt from the five
+    fields has none, and its combine is checked only as far as the exchanged sizes go.
+    """
+
+    routing: Optional[DispatchedRouting] = None
+
+    def with_routing(self, topk_idx: torch.Tensor, keep_values: bool) -> "LowLatencyHandle":
+        """This handle, recording `topk_idx` as its dispatch's routing (the values only with `keep_values`)."""
+        handle = LowLatencyHandle(*self)
+        handle.routing = DispatchedRouting((topk_idx.size(0), topk_idx.size(1)),
+                                           topk_idx.clone() if keep_values else None)
+        return handle

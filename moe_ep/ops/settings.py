@@ -2,8 +2,11 @@
 
 | variable                       | default | meaning                                                         |
 | ------------------------------ | ------- | --------------------------------------------------------------- |
-| `MOE_EP_TIMEOUT_S`             | `10`    | seconds a CUDA kernel waits for a peer before it reports an     |
-|                                |         | error (normal and low-latency mode); a positive number          |
+| `MOE_EP_TIMEOUT_S`             | `100`   | seconds any wait for a peer may last before it becomes an error |
+|                                |         | naming the operation (and the peer where it can be known): the  |
+|                                |         | torch backend's agreement and collectives, the CUDA kernels     |
+|                                |         | (normal and low-latency mode) and the launcher's process group; |
+|                                |         | a positive number                                               |
 | `MOE_EP_CHECK_VALUES`          | `1`     | `0` skips the front end's checks of tensor values (expert ids   |
 |                                |         | in range, no repeats), which read device data                   |
 | `MOE_EP_LOW_LATENCY_TRANSPORT` | `auto`  | low-latency module: `auto`, `p2p`, `nvshmem` or `nvshmem_puts`  |
@@ -34,7 +37,7 @@ NUM_RANKS_PER_NODE_ENV = "MOE_EP_NUM_RANKS_PER_NODE"
 class Settings:
     """What the environment asked for; `Settings()` holds the defaults."""
 
-    timeout_s: float = 10.0
+    timeout_s: float = 100.0  # DeepEP's kernels give up after about 100 s too
     check_values: bool = True
     low_latency_transport: str = "auto"
     num_ranks_per_node: Optional[int] = None  # checked against the group size by `moe_ep.ops.topology`

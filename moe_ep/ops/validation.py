@@ -9,9 +9,10 @@ from typing import Iterable, Optional, Sequence, Union
 
 import torch
 
+from . import routing
 from .config import Config
 from .constants import FP8_BLOCK, NUM_MAX_TOPK, ROW_ALIGNMENT_BYTES
-from .handles import DispatchHandle, InternodeDispatchHandle, LowLatencyHandle
+from .handles import DispatchedRouting, DispatchHandle, InternodeDispatchHandle, LowLatencyHandle
 from .requests import CombineRequest, DispatchRequest, LowLatencyCombineRequest, LowLatencyDispatchRequest
 from .settings import settings
 
@@ -102,21 +103,84 @@ def check_topk_idx(name: str, topk_idx: object, num_tokens: Optional[int], devic
     return topk_idx
 
 
-def check_topk_values(name: str, topk_idx: torch.Tensor, num_experts: int) -> None:
-    """Expert ids in `[-1, num_experts)` and no expert selected twice by one token."""
-    if topk_idx.numel() == 0 or not value_checks_enabled():
-        return
+def _topk_defects(topk_idx: torch.Tensor, num_experts: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """`(out_of_range [T, k], repeated [T, k-1])` on the device: ids outside `[-1, num_experts)`, and
+    ids equal to the previous one in a token's sorted slots."""
     out_of_range = (topk_idx < -1) | (topk_idx >= num_experts)
     ordered = topk_idx.sort(dim=1).values
-    repeated = (ordered[:, 1:] == ordered[:, :-1]) & (ordered[:, 1:] >= 0)
-    # One host synchronization for both checks; the details are looked up only on failure.
-    any_out_of_range, any_repeated = torch.stack([out_of_range.any(), repeated.any()]).tolist()
+    return out_of_range, (ordered[:, 1:] == ordered[:, :-1]) & (ordered[:, 1:] >= 0)
+
+
+def _raise_topk_defect(name: str, topk_idx: torch.Tensor, num_experts: int, out_of_range: torch.Tensor,
+                       repeated: torch.Tensor, any_out_of_range: bool, any_repeated: bool) -> None:
+    """Raise for the first defect found by `_topk_defects` (looking up its details on the device)."""
     if any_out_of_range:
         bad = int(topk_idx[out_of_range][0])
         raise ValueError(f"{name}: expert ids must be -1 (masked) or in [0, {num_experts}), found {bad}")
     if any_repeated:
         token = int(repeated.any(1).nonzero()[0])
         raise ValueError(f"{name}: token {token} selects the same expert more than once: {topk_idx[token].tolist()}")
+
+
+def check_topk_values(name: str, topk_idx: torch.Tensor, num_experts: int) -> None:
+    """Expert ids in `[-1, num_experts)` and no expert selected twice by one token."""
+    if topk_idx.numel() == 0 or not value_checks_enabled():
+        return
+    out_of_range, repeated = _topk_defects(topk_idx, num_experts)
+    # One host synchronization for both checks; the details are looked up only on failure.
+    flags = torch.stack([out_of_range.any(), repeated.any()]).tolist()
+    _raise_topk_defect(name, topk_idx, num_experts, out_of_range, repeated, *flags)
+
+
+def check_layout_values(topk_idx: Optional[torch.Tensor], num_tokens_per_rank: torch.Tensor,
+                        is_token_in_rank: torch.Tensor, num_tokens_per_expert: torch.Tensor, num_ranks: int) -> None:
+    """A dispatch's layout describes its `topk_idx`: `is_token_in_rank` and `num_tokens_per_expert` are
+    what `get_dispatch_layout(topk_idx)` computes, `num_tokens_per_rank` the column sums of
+    `is_token_in_rank`; and `topk_idx` passes `check_topk_values`. One host synchronization for all
+    of it; skipped with the value checks (a layout of another top-k then sends tokens where it says)."""
+    if not value_checks_enabled():
+        return
+    num_experts = num_tokens_per_expert.numel()
+    flags = [torch.ne(is_token_in_rank.sum(0, dtype=torch.int32), num_tokens_per_rank).any()]
+    if topk_idx is not None:
+        out_of_range, repeated = _topk_defects(topk_idx, num_experts)
+        valid = topk_idx.masked_fill(out_of_range, -1)  # the layout's math needs ids in range
+        in_rank = routing.token_rank_mask(valid, num_experts, num_ranks)
+        per_expert = routing.tokens_per_expert(valid, num_experts)
+        flags += [out_of_range.any(), repeated.any(), torch.ne(is_token_in_rank, in_rank).any(),
+                  torch.ne(num_tokens_per_expert, per_expert).any()]
+    rank_sums_differ, *topk_flags = torch.stack(flags).tolist()
+    if topk_idx is not None:
+        any_out_of_range, any_repeated, in_rank_differs, per_expert_differs = topk_flags
+        _raise_topk_defect("topk_idx", topk_idx, num_experts, out_of_range, repeated, any_out_of_range, any_repeated)
+        if in_rank_differs:
+            token, rank = (torch.ne(is_token_in_rank, in_rank)).nonzero()[0].tolist()
+            raise ValueError(f"is_token_in_rank: does not match topk_idx (token {token}, rank {rank}: "
+                             f"{bool(is_token_in_rank[token, rank])}, topk_idx says {bool(in_rank[token, rank])}); "
+                             f"pass get_dispatch_layout's outputs for this topk_idx")
+        if per_expert_differs:
+            expert = int(torch.ne(num_tokens_per_expert, per_expert).nonzero()[0])
+            raise ValueError(f"num_tokens_per_expert: does not match topk_idx (expert {expert}: "
+                             f"{int(num_tokens_per_expert[expert])}, topk_idx selects it {int(per_expert[expert])} "
+                             f"times); pass get_dispatch_layout's outputs for this topk_idx")
+    if rank_sums_differ:
+        raise ValueError("num_tokens_per_rank: does not match the column sums of is_token_in_rank")
+
+
+def check_dispatched_routing(name: str, topk_idx: torch.Tensor, routing_of_dispatch: DispatchedRouting) -> None:
+    """A low-latency combine's `topk_idx` is its dispatch's: same shape (always checked) and values (when
+    the handle kept them and value checks are on)."""
+    if tuple(topk_idx.shape) != routing_of_dispatch.shape:
+        raise ValueError(f"{name}: expected the dispatch's top-k of shape {list(routing_of_dispatch.shape)} (the "
+                         f"dispatch behind handle), got {list(topk_idx.shape)}")
+    kept = routing_of_dispatch.topk_idx
+    if kept is None or topk_idx.numel() == 0 or not value_checks_enabled():
+        return
+    differs = torch.ne(topk_idx, kept).any(1)
+    if bool(differs.any()):
+        token = int(differs.nonzero()[0])
+        raise ValueError(f"{name}: routes token {token} to experts {topk_idx[token].tolist()}, but the dispatch behind "
+                         f"handle sent it to {kept[token].tolist()}; pass the dispatch's topk_idx")
 
 
 def check_topk_weights(name: str, topk_weights: object, topk_idx: torch.Tensor) -> torch.Tensor:
@@ -146,7 +210,7 @@ def check_dispatch_handle(handle: object, num_tokens: Optional[int], num_ranks: 
 def check_low_latency_handle(handle: object, num_ranks: int) -> LowLatencyHandle:
     if not isinstance(handle, tuple) or len(handle) != len(LowLatencyHandle._fields):
         raise ValueError("handle: expected the handle returned by low_latency_dispatch")
-    hdl = LowLatencyHandle(*handle)
+    hdl = handle if isinstance(handle, LowLatencyHandle) else LowLatencyHandle(*handle)  # keeps its routing
     check_tensor("handle.layout_range", hdl.layout_range, dtype=torch.int64,
                  shape=(hdl.num_experts // num_ranks, num_ranks))
     return hdl
@@ -185,8 +249,6 @@ def _check_layout(num_tokens_per_rank: object, is_token_in_rank: object, num_tok
                  device=device, contiguous=True)
     check_tensor("num_tokens_per_expert", num_tokens_per_expert, dtype=torch.int32, shape=(None,), device=device)
     check_num_experts(num_tokens_per_expert.numel(), num_ranks)
-    if value_checks_enabled() and not torch.equal(is_token_in_rank.sum(0, dtype=torch.int32), num_tokens_per_rank):
-        raise ValueError("num_tokens_per_rank: does not match the column sums of is_token_in_rank")
 
 
 def dispatch_request(x: object, handle: object, num_tokens_per_rank: object, is_token_in_rank: object,
@@ -207,11 +269,11 @@ def dispatch_request(x: object, handle: object, num_tokens_per_rank: object, is_
     _check_layout(num_tokens_per_rank, is_token_in_rank, num_tokens_per_expert, data.size(0), num_ranks, device)
     if topk_idx is not None:
         check_topk_idx("topk_idx", topk_idx, data.size(0), device)
-        check_topk_values("topk_idx", topk_idx, num_tokens_per_expert.numel())
         if topk_weights is not None:
             check_topk_weights("topk_weights", topk_weights, topk_idx)
     elif topk_weights is not None:
         raise ValueError("topk_weights: given without topk_idx")
+    check_layout_values(topk_idx, num_tokens_per_rank, is_token_in_rank, num_tokens_per_expert, num_ranks)
     return DispatchRequest(data, scales, topk_idx, topk_weights, num_tokens_per_rank, is_token_in_rank,
                            num_tokens_per_expert, expert_alignment, num_worst_tokens, config)
 
@@ -296,7 +358,10 @@ def low_latency_combine_request(x: object, topk_idx: object, topk_weights: objec
     check_topk_idx("topk_idx", topk_idx, None, device)
     if topk_idx.size(0) > max_tokens:
         raise ValueError(f"topk_idx: {topk_idx.size(0)} tokens exceed num_max_dispatch_tokens_per_rank={max_tokens}")
-    check_topk_values("topk_idx", topk_idx, hdl.num_experts)
+    if hdl.routing is not None:
+        check_dispatched_routing("topk_idx", topk_idx, hdl.routing)
+    if hdl.routing is None or hdl.routing.topk_idx is None:  # else equal to ids the dispatch checked
+        check_topk_values("topk_idx", topk_idx, hdl.num_experts)
     check_topk_weights("topk_weights", topk_weights, topk_idx)
     if out is not None:
         check_tensor("out", out, dtype=torch.bfloat16, shape=(topk_idx.size(0), hdl.hidden), device=device,

@@ -8,11 +8,12 @@ import torch
 import torch.distributed as dist
 
 
-def all_gather_into(output: torch.Tensor, tensor: torch.Tensor, group: dist.ProcessGroup) -> None:
-    """`output [R * n]` = every rank's `tensor [n]`, rank-major."""
+def all_gather_into(output: torch.Tensor, tensor: torch.Tensor, group: dist.ProcessGroup,
+                    async_op: bool = False) -> Optional[dist.Work]:
+    """`output [R * n]` = every rank's `tensor [n]`, rank-major (with `async_op`, once the returned work is waited for)."""
     # torch 2.13 renames all_gather_into_tensor; older releases only have the old name.
     gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
-    gather(output, tensor, group=group)
+    return gather(output, tensor, group=group, async_op=async_op)
 
 
 def all_gather_bytes(record: bytes, group: dist.ProcessGroup, num_ranks: int, device: torch.device) -> list[bytes]:

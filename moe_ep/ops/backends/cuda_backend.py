@@ -3,7 +3,7 @@
 Every rank allocates one NVLink buffer and shares it through a CUDA IPC handle exchanged with a
 tensor all-gather; after that the kernels synchronize among themselves through that memory. Outputs
 are exactly those of the torch backend (docs/semantics.md). Kernels that wait on a peer give up after
-`MOE_EP_TIMEOUT_S` seconds (default 10, see `moe_ep.ops.settings`): the call raises and the Buffer becomes unusable.
+`MOE_EP_TIMEOUT_S` seconds (default 100, see `moe_ep.ops.settings`): the call raises and the Buffer becomes unusable.
 
 A dispatch with `num_worst_tokens > 0` does not wait on the host: the kernels find a too small
 `num_worst_tokens` themselves, move nothing on any rank, and the `ValueError` comes from the next call

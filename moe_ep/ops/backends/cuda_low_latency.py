@@ -23,7 +23,7 @@ Protocol rules the kernels rely on (see csrc/low_latency/):
 * A combine's send phase waits for its peers' send phase of the same operation (each rank sends the
   top-k ids and weights of its tokens to the ranks that reduce them), which the same sequence on every
   rank provides; its `topk_idx` must route the tokens as the dispatch behind the handle did.
-A kernel that waits more than `MOE_EP_TIMEOUT_S` seconds (default 10, see `moe_ep.ops.settings`) for a
+A kernel that waits more than `MOE_EP_TIMEOUT_S` seconds (default 100, see `moe_ep.ops.settings`) for a
 peer reports an error; the next call raises and the runtime stays unusable.
 """
 

@@ -3,10 +3,18 @@
 It is the correctness oracle for the CUDA kernels and a real fallback for training: every operation
 is vectorized and moves each payload with one `all_to_all_single` of packed byte rows. Receive sizes
 are learned from a small `all_gather` of counts, so calls synchronize with the host.
+
+Nothing waits for a peer longer than `MOE_EP_TIMEOUT_S`, and no collective receives a size it did not
+expect (gloo aborts the process then, beyond any `try`): every operation starts with an agreement
+over the group's store (`agreement.py`: settings, input errors, the ranks that did not arrive), and
+the sizes of every exchange are either derived from counts the senders published (dispatch) or
+agreed before it (cached dispatch, combine, low-latency combine, whose sizes come from a handle or a
+top-k that a rank may have mixed up).
 """
 
 from __future__ import annotations
 
+import datetime
 import math
 import time
 from typing import TYPE_CHECKING, Mapping, Optional, Sequence
@@ -18,17 +26,19 @@ from .. import fp8, routing
 from ..handles import DispatchHandle, LowLatencyHandle
 from ..requests import CombineRequest, DispatchRequest, LowLatencyCombineRequest, LowLatencyDispatchRequest
 from ..routing import DispatchLayout
+from ..settings import settings
 from ..validation import PeerInputError
+from .agreement import Agreement, PeerTimeoutError
 from .base import CommBackend, DispatchResult, LowLatencyDispatchResult, RecvHook
 from .collectives import all_gather_into
 
 if TYPE_CHECKING:
     from .hierarchical import InternodePath
 
-# Fixed width of the settings vector every rank contributes to `agree` (op id, error flag, fields).
-_AGREE_WIDTH = 24
-_OPS = ("get_dispatch_layout", "dispatch", "cached_dispatch", "combine", "low_latency_dispatch",
-        "low_latency_combine", "clean_low_latency_buffer")
+# How much of a rank's own error message its peers' `PeerInputError` quotes.
+_QUOTED_ERROR_CHARS = 400
+_MIXED_HANDLES = "handle: every rank must pass the handle of the same dispatch"
+_MIXED_TOPK = "topk_idx: must route every token as the dispatch behind handle did"
 
 
 def _as_bytes(tensor: torch.Tensor) -> torch.Tensor:
@@ -82,40 +92,74 @@ class TorchBackend(CommBackend):
         self._combine_buffers: dict[tuple[int, int, int, torch.device], torch.Tensor] = {}
         # Normal mode across nodes (attached by the Buffer when its group spans more than one node).
         self.internode: Optional[InternodePath] = None
+        self._agreement = Agreement(group, rank, num_ranks)
+        # NCCL's own watchdog bounds its waits (the group's timeout); gloo's waits take ours.
+        self._timed_waits = dist.get_backend(group) != "nccl"
+        self._op = "agree"  # the operation in progress, for the errors of its exchanges
 
     # ------------------------------------------------------------------ collectives
 
     def _all_gather_rows(self, row: torch.Tensor) -> torch.Tensor:
         out = torch.empty(self.num_ranks * row.numel(), dtype=row.dtype, device=row.device)
-        all_gather_into(out, row.contiguous(), self.group)
+        self._wait(all_gather_into(out, row.contiguous(), self.group, async_op=True))
         return out.view(self.num_ranks, -1)
 
     def _all_to_all(
         self, send: torch.Tensor, send_counts: list[int], recv_counts: list[int], async_op: bool = False
     ) -> tuple[torch.Tensor, Optional[dist.Work]]:
         recv = torch.empty(sum(recv_counts), send.size(1), dtype=send.dtype, device=send.device)
-        work = dist.all_to_all_single(recv, send, recv_counts, send_counts, group=self.group, async_op=async_op)
-        return recv, work
+        work = dist.all_to_all_single(recv, send, recv_counts, send_counts, group=self.group, async_op=True)
+        if async_op:
+            return recv, work
+        self._wait(work)
+        return recv, None
+
+    def _wait(self, work: dist.Work, op: Optional[str] = None) -> None:
+        """Wait for a collective of `op` (default: the operation in progress), at most `MOE_EP_TIMEOUT_S`
+        on gloo."""
+        try:
+            if self._timed_waits:
+                work.wait(timeout=datetime.timedelta(seconds=settings().timeout_s))
+            else:
+                work.wait()
+        except RuntimeError as exc:
+            raise PeerTimeoutError(f"{op or self._op}: the data exchange failed after every rank had arrived (a peer "
+                                   f"exited or stalled inside it, MOE_EP_TIMEOUT_S={settings().timeout_s:g} s): "
+                                   f"{exc}") from exc
 
     def agree(self, op: str, fields: Mapping[str, int], local_error: Optional[Exception], device: torch.device) -> None:
-        values = [_OPS.index(op), int(local_error is not None), *fields.values()]
-        if len(values) > _AGREE_WIDTH:
-            raise AssertionError(f"agree: too many fields for {op}")
-        row = torch.tensor(values + [0] * (_AGREE_WIDTH - len(values)), dtype=torch.int64, device=device)
-        table = self._all_gather_rows(row).tolist()
+        self._op = op
+        if local_error is None:
+            record = {"fields": list(fields.values())}
+        else:
+            record = {"error": f"{type(local_error).__name__}: {local_error}"[:_QUOTED_ERROR_CHARS]}
+        records = self._agreement.exchange(op, record)
         if local_error is not None:
             raise local_error
-        ops = {r[0] for r in table}
-        if len(ops) > 1:
-            names = {rank: _OPS[r[0]] for rank, r in enumerate(table)}
-            raise PeerInputError(f"ranks called different operations at the same time: {names}")
-        failed = [rank for rank, r in enumerate(table) if r[1]]
+        failed = [rank for rank, r in enumerate(records) if "error" in r]
         if failed:
-            raise PeerInputError(f"{op}: rank(s) {failed} rejected their input (see the error raised there)")
-        for column, name in enumerate(fields, start=2):
-            per_rank = [r[column] for r in table]
+            detail = "; ".join(f"rank {rank} in {records[rank]['op']}: {records[rank]['error']}" for rank in failed)
+            raise PeerInputError(f"{op}: rank(s) {failed} rejected their input: {detail}")
+        if len({r["op"] for r in records}) > 1:
+            names = {rank: r["op"] for rank, r in enumerate(records)}
+            raise PeerInputError(f"ranks called different operations at the same time: {names}")
+        for column, name in enumerate(fields):
+            per_rank = [r["fields"][column] for r in records]
             if len(set(per_rank)) > 1:
                 raise PeerInputError(f"{op}: ranks disagree on {name}: {per_rank} (rank order)")
+
+    def _agree_sizes(self, send_counts: list[int], recv_counts: list[int], cause: str) -> None:
+        """Before an exchange whose sizes come from this rank's own state (a handle, a top-k): check
+        that every rank expects the rows its peers will send, so that the collective never receives a
+        size it did not expect. `cause` names the argument a mismatch comes from."""
+        records = self._agreement.exchange(self._op, {"send": send_counts, "recv": recv_counts})
+        wrong = [(src, dst, records[src]["send"][dst], records[dst]["recv"][src])
+                 for src in range(self.num_ranks) for dst in range(self.num_ranks)
+                 if records[src]["send"][dst] != records[dst]["recv"][src]]
+        if wrong:
+            detail = ", ".join(f"rank {src} sends {sent} rows to rank {dst}, which expects {expected}"
+                               for src, dst, sent, expected in wrong[:4])
+            raise PeerInputError(f"{self._op}: {cause}; the rows to exchange do not match ({detail})")
 
     # ------------------------------------------------------------------ normal mode
 
@@ -135,8 +179,10 @@ class TorchBackend(CommBackend):
         channel_prefix = routing.channel_prefix_matrix(is_token_in_rank, num_channels)
 
         # Notify: every rank learns all send counts, expert counts, channel prefixes and receive bounds.
+        # The send counts are those of the rows this rank packs (`num_tokens_per_rank` equals them when
+        # value checks are on), so the exchange's sizes always match its data.
         header = torch.cat([
-            request.num_tokens_per_rank.to(device=device, dtype=torch.int64),
+            is_token_in_rank.sum(0, dtype=torch.int64).to(device),
             request.num_tokens_per_expert.to(device=device, dtype=torch.int64),
             channel_prefix.to(device=device, dtype=torch.int64).reshape(-1),
             torch.tensor([num_worst_tokens], dtype=torch.int64, device=device),
@@ -197,6 +243,7 @@ class TorchBackend(CommBackend):
             return self.internode.cached_dispatch(request)
         x, x_scales, handle = request.x, request.x_scales, request.handle
         send_counts, recv_counts = _handle_counts(handle, self.rank)
+        self._agree_sizes(send_counts, recv_counts, _MIXED_HANDLES)
         _, token = routing.send_order(handle.is_token_in_rank)
         payload = [x] + ([x_scales] if x_scales is not None else [])
         codec = _RowCodec.like(payload)
@@ -212,6 +259,7 @@ class TorchBackend(CommBackend):
         x, handle, topk_weights = request.x, request.handle, request.topk_weights
         # Every row goes back to its source, which receives from each rank the rows it sent there.
         to_source, from_ranks = _handle_counts(handle, self.rank)
+        self._agree_sizes(from_ranks, to_source, _MIXED_HANDLES)
         num_real = sum(from_ranks)
         payload = [x[:num_real]] + ([topk_weights[:num_real]] if topk_weights is not None else [])
         codec = _RowCodec.like(payload)
@@ -260,6 +308,7 @@ class TorchBackend(CommBackend):
         payload.append(torch.arange(x.size(0), dtype=torch.int32, device=device))
         codec = _RowCodec.like(payload)
         recv_rows, work = self._all_to_all(codec.pack(payload, pairs.token), send_counts, recv_counts, async_op=True)
+        op = self._op  # the hook may run after later operations started
 
         # Outputs exist before the data arrives; the receive phase fills them in place.
         recv_x = torch.zeros(num_local, slots, hidden, dtype=fp8.FP8_DTYPE if use_fp8 else x.dtype, device=device)
@@ -277,7 +326,7 @@ class TorchBackend(CommBackend):
 
         def receive() -> None:
             started = time.perf_counter_ns()
-            work.wait()
+            self._wait(work, op)
             if request.dispatch_wait_recv_cost_stats is not None:
                 _add_wait_time(request.dispatch_wait_recv_cost_stats, recv_counts, time.perf_counter_ns() - started)
             received = codec.unpack(recv_rows)
@@ -301,9 +350,12 @@ class TorchBackend(CommBackend):
         rows, back_counts = routing.gather_rows_by_layout(handle.layout_range, slots)
         pairs = routing.expert_major_pairs(topk_idx, handle.num_experts)
         num_local = handle.num_experts // self.num_ranks
+        send_counts = back_counts.tolist()
         recv_counts = pairs.count_per_expert.view(self.num_ranks, num_local).sum(1).tolist()
+        self._agree_sizes(send_counts, recv_counts, _MIXED_TOPK)
         send = x.reshape(-1, x.size(-1))[rows]
-        expert_out, work = self._all_to_all(_as_bytes(send), back_counts.tolist(), recv_counts, async_op=True)
+        expert_out, work = self._all_to_all(_as_bytes(send), send_counts, recv_counts, async_op=True)
+        op = self._op  # the hook may run after later operations started
 
         num_tokens, num_topk = topk_idx.shape
         combined = request.out if request.out is not None else torch.empty(num_tokens, x.size(-1), dtype=x.dtype,
@@ -315,7 +367,7 @@ class TorchBackend(CommBackend):
 
         def receive() -> None:
             started = time.perf_counter_ns()
-            work.wait()
+            self._wait(work, op)
             if request.combine_wait_recv_cost_stats is not None:
                 _add_wait_time(request.combine_wait_recv_cost_stats, recv_counts, time.perf_counter_ns() - started)
             y = expert_out.view(x.dtype).view(-1, x.size(-1)).float()
