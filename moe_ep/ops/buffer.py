@@ -108,11 +108,14 @@ class Buffer:
             raise _no_internode_kernels(self.node_topology())
         return True
 
-    def node_topology(self) -> NodeTopology:
+    def node_topology(self, op: str = "node_topology") -> NodeTopology:
         """Which ranks form a node: learned from the hosts and `num_ranks_per_node` on first use (a
         collective on the Buffer's group: the first normal-mode call, or creating the CUDA backend)."""
         if self._topology is None:
             device = torch.device("cuda", torch.cuda.current_device()) if _is_nccl(self.group) else torch.device("cpu")
+            # Through the agreement first, like every operation: a peer whose own input check failed just
+            # before (a layer's, say) is reported here instead of leaving this rank in the gather below.
+            self._torch.agree(op, {}, None, device)
             self._topology = resolve_node_topology(self.group, self.rank, self.group_size,
                                                    self._requested_ranks_per_node, device, self.allow_mnnvl)
             if self._topology.num_nodes > 1:
@@ -210,11 +213,11 @@ class Buffer:
         assert self._cuda is not None
         return self._cuda
 
-    def _normal_backend_for(self, tensor: torch.Tensor) -> CommBackend:
+    def _normal_backend_for(self, tensor: torch.Tensor, op: str) -> CommBackend:
         """`_backend_for` in normal mode, which first learns the nodes: across nodes the torch backend serves
         (the CUDA internode kernels are not written yet)."""
         backend = self._backend_for(tensor)
-        topology = self.node_topology()
+        topology = self.node_topology(op)
         if backend is self._cuda and topology.num_nodes > 1:
             if self.backend == "cuda":
                 raise _no_internode_kernels(topology)
@@ -239,7 +242,7 @@ class Buffer:
         """The backend for `x`'s device and the checked request `build` returns; if any rank's checks
         failed, every rank raises (the failing rank its own error)."""
         tensor = x if isinstance(x, torch.Tensor) else torch.empty(0)
-        backend = self._backend_for(tensor) if low_latency else self._normal_backend_for(tensor)
+        backend = self._backend_for(tensor) if low_latency else self._normal_backend_for(tensor, op)
         with self.input_check(op, tensor.device):
             if low_latency:
                 self._require_low_latency(op)
@@ -279,7 +282,7 @@ class Buffer:
             check.check_topk_idx("topk_idx", topk_idx, None, getattr(topk_idx, "device", None))
             check.check_num_experts(num_experts, self.group_size)
             check.check_topk_values("topk_idx", topk_idx, num_experts)
-        backend = self._normal_backend_for(topk_idx)
+        backend = self._normal_backend_for(topk_idx, "get_dispatch_layout")
         scope = self._scope(topk_idx.device, previous_event, async_finish, allocate_on_comm_stream)
         with scope.run():
             layout = backend.get_dispatch_layout(topk_idx, num_experts)
