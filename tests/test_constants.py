@@ -29,6 +29,6 @@ def test_header_constant_matches(python_name: str) -> None:
 def test_each_constant_is_defined_once_in_csrc() -> None:
     """The header is the one home: no other CUDA source defines the same names again."""
     for cxx_name in MIRRORED.values():
-        found = [path.relative_to(CSRC) for path in sorted(CSRC.rglob("*")) if path.suffix in (".h", ".cuh", ".hpp", ".cu")
-                 and _definitions(cxx_name, path.read_text())]
+        found = [path.relative_to(CSRC) for path in sorted(CSRC.rglob("*"))
+                 if path.suffix in (".h", ".cuh", ".hpp", ".cu") and _definitions(cxx_name, path.read_text())]
         assert found == [HEADER.relative_to(CSRC)], (cxx_name, found)
