@@ -119,7 +119,7 @@ def default_combine_config(num_ranks: int, num_sms: int) -> Config:
 
 def low_latency_buffer_bytes(num_max_dispatch_tokens_per_rank: int, hidden: int, num_ranks: int, num_experts: int) -> int:
     """Symmetric buffer bytes for low-latency mode (the layout of `make_layout` in csrc/low_latency/):
-    a u64 acknowledgement word per rank; two (even/odd) halves, each with a u64 count
+    a u64 acknowledgement word and a u64 barrier signal per rank (`persistent_bytes`); two (even/odd) halves, each with a u64 count
     per (local expert, source rank), a u64 signal and a 2*hidden-byte row per (expert, token) slot, and
     the combine's metadata (a u64 flag and `NUM_MAX_TOPK` 8-byte (id, weight) entries per (source rank,
     token)); then one send region of as many rows as a half (the zero-copy combine buffer), the combine's
@@ -133,4 +133,4 @@ def low_latency_buffer_bytes(num_max_dispatch_tokens_per_rank: int, hidden: int,
     half = (_align(8 * num_experts) + _align(8 * rows) + _align(rows * row_bytes) + _align(8 * tokens)
             + _align(tokens * meta_bytes))
     once = _align(rows * row_bytes) + _align(8 * rows) + _align(tokens * row_bytes) + _align(max_tokens * meta_bytes)
-    return _align(8 * num_ranks) + 2 * half + once
+    return _align(16 * num_ranks) + 2 * half + once

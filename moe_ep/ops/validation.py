@@ -195,7 +195,8 @@ def check_dispatch_handle(handle: object, num_tokens: Optional[int], num_ranks: 
                           device: torch.device) -> DispatchHandle:
     """A normal-mode handle, one-node or internode (`num_tokens`: the source tokens it must describe, None
     for any). An internode handle stays one: its first fields are a `DispatchHandle`'s."""
-    handle_types = {len(DispatchHandle._fields): DispatchHandle, len(InternodeDispatchHandle._fields): InternodeDispatchHandle}
+    handle_types = {len(DispatchHandle._fields): DispatchHandle,
+                    len(InternodeDispatchHandle._fields): InternodeDispatchHandle}
     if not isinstance(handle, tuple) or len(handle) not in handle_types:
         raise ValueError("handle: expected the handle returned by dispatch")
     hdl = handle_types[len(handle)](*handle)

@@ -21,7 +21,8 @@ from ..handles import InternodeDispatchHandle
 from ..requests import CombineRequest, DispatchRequest
 from ..topology import NodeTopology, node_mask
 from .base import DispatchResult
-from .torch_backend import TorchBackend, _handle_counts, _pad_rows, _RowCodec, _sum_in_rank_order
+from .torch_backend import (TorchBackend, _handle_counts, _pad_rows, _RowCodec, _sum_in_rank_order, dispatch_payload,
+                            recv_tokens_per_expert, unpack_dispatched)
 
 
 class NodeGroups(NamedTuple):
@@ -145,10 +146,9 @@ class InternodePath:
     # ------------------------------------------------------------------ normal mode
 
     def dispatch(self, request: DispatchRequest) -> DispatchResult:
-        x, x_scales, topk_idx, topk_weights = request.x, request.x_scales, request.topk_idx, request.topk_weights
-        num_tokens_per_rank, is_token_in_rank = request.num_tokens_per_rank, request.is_token_in_rank
+        x, num_tokens_per_rank, is_token_in_rank = request.x, request.num_tokens_per_rank, request.is_token_in_rank
         num_tokens_per_expert, config = request.num_tokens_per_expert, request.config
-        expert_alignment, num_worst_tokens = request.expert_alignment, request.num_worst_tokens
+        num_worst_tokens = request.num_worst_tokens
         topo, device = self.topology, x.device
         num_ranks, num_nodes, me = topo.num_ranks, topo.num_nodes, topo.rank
         num_experts, num_channels = num_tokens_per_expert.numel(), config.num_channels
@@ -179,10 +179,7 @@ class InternodePath:
 
         # Network leg: each token once per destination node, with the node's slice of its rank mask.
         dest_node, token = routing.send_order(to_node)
-        payload = [x] + ([x_scales] if x_scales is not None else [])
-        if topk_idx is not None:
-            payload += [topk_idx] + ([topk_weights] if topk_weights is not None else [])
-        payload.append(torch.arange(x.size(0), dtype=torch.int32, device=device))
+        payload = dispatch_payload(request)
         codec = _RowCodec.like(payload)
         in_node = is_token_in_rank.reshape(x.size(0), num_nodes, topo.num_ranks_per_node)[token, dest_node]
         rows = torch.cat([codec.pack(payload, token), in_node.to(torch.uint8)], dim=1)
@@ -193,21 +190,13 @@ class InternodePath:
         received = codec.unpack(self._forward(rail_rows[:, :codec.row_bytes], forward, send_matrix[:, me].tolist()))
 
         num_rows = num_worst_tokens if num_worst_tokens > 0 else int(send_matrix[:, me].sum())
-        recv_x = _pad_rows(received[0], num_rows, 0)
-        recv_x_scales = _pad_rows(received[1], num_rows, 0) if x_scales is not None else None
-        recv_topk_idx = recv_topk_weights = None
-        if topk_idx is not None:
-            field = 2 if x_scales is not None else 1
-            local_idx, local_weights = routing.localize_topk(
-                received[field], received[field + 1] if topk_weights is not None else None, me, num_local)
-            recv_topk_idx = _pad_rows(local_idx, num_rows, -1)
-            recv_topk_weights = _pad_rows(local_weights, num_rows, 0) if local_weights is not None else None
+        out = unpack_dispatched(received, request, num_rows, me, num_local)
         rank_prefix = routing.rank_prefix_matrix(send_matrix).to(device)
         handle = InternodeDispatchHandle(
             rank_prefix_matrix=rank_prefix,
             channel_prefix_matrix=channel_prefix.to(device),
             recv_channel_prefix_matrix=routing.recv_channel_prefix_matrix(rank_prefix, sender_channel_prefix, me),
-            recv_src_idx=_pad_rows(received[-1], num_rows, -1),
+            recv_src_idx=out.recv_src_idx,
             is_token_in_rank=is_token_in_rank,
             send_head=routing.send_head(is_token_in_rank),
             rdma_channel_prefix_matrix=rdma_channel_prefix.to(device),
@@ -217,11 +206,8 @@ class InternodePath:
             send_rdma_head=routing.send_head(to_node),
             send_nvl_head=routing.send_head(forward),
         )
-        per_expert = []
-        if num_worst_tokens == 0:
-            local_counts = expert_counts[:, me * num_local:(me + 1) * num_local]
-            per_expert = routing.recv_tokens_per_expert(local_counts, expert_alignment).tolist()
-        return DispatchResult(recv_x, recv_x_scales, recv_topk_idx, recv_topk_weights, per_expert, handle)
+        return DispatchResult(out.recv_x, out.recv_x_scales, out.recv_topk_idx, out.recv_topk_weights,
+                              recv_tokens_per_expert(expert_counts, request, me, num_local), handle)
 
     def cached_dispatch(self, request: DispatchRequest) -> tuple[torch.Tensor, Optional[torch.Tensor]]:
         x, x_scales = request.x, request.x_scales

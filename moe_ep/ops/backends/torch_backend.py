@@ -17,7 +17,7 @@ from __future__ import annotations
 import datetime
 import math
 import time
-from typing import TYPE_CHECKING, Mapping, Optional, Sequence
+from typing import TYPE_CHECKING, Mapping, NamedTuple, Optional, Sequence
 
 import torch
 import torch.distributed as dist
@@ -39,6 +39,53 @@ if TYPE_CHECKING:
 _QUOTED_ERROR_CHARS = 400
 _MIXED_HANDLES = "handle: every rank must pass the handle of the same dispatch"
 _MIXED_TOPK = "topk_idx: must route every token as the dispatch behind handle did"
+
+
+class Dispatched(NamedTuple):
+    """A dispatch's row outputs, padded to the rows the receiver returns."""
+
+    recv_x: torch.Tensor
+    recv_x_scales: Optional[torch.Tensor]
+    recv_topk_idx: Optional[torch.Tensor]
+    recv_topk_weights: Optional[torch.Tensor]
+    recv_src_idx: torch.Tensor
+
+
+def dispatch_payload(request: DispatchRequest) -> list[torch.Tensor]:
+    """The per-token fields a dispatch moves, in the order `unpack_dispatched` reads them back: the
+    tokens, their scales, top-k ids and weights (those given) and the token index."""
+    x = request.x
+    payload = [x] + ([request.x_scales] if request.x_scales is not None else [])
+    if request.topk_idx is not None:
+        payload += [request.topk_idx] + ([request.topk_weights] if request.topk_weights is not None else [])
+    payload.append(torch.arange(x.size(0), dtype=torch.int32, device=x.device))
+    return payload
+
+
+def unpack_dispatched(received: list[torch.Tensor], request: DispatchRequest, num_rows: int, rank: int,
+                      num_local: int) -> Dispatched:
+    """The outputs from the received fields of `dispatch_payload`, padded to `num_rows` rows
+    (docs/semantics.md: padding rows are 0, ids -1, weights 0, source index -1)."""
+    recv_topk_idx = recv_topk_weights = None
+    if request.topk_idx is not None:
+        field = 2 if request.x_scales is not None else 1
+        local_idx, local_weights = routing.localize_topk(
+            received[field], received[field + 1] if request.topk_weights is not None else None, rank, num_local)
+        recv_topk_idx = _pad_rows(local_idx, num_rows, -1)
+        recv_topk_weights = _pad_rows(local_weights, num_rows, 0) if local_weights is not None else None
+    return Dispatched(_pad_rows(received[0], num_rows, 0),
+                      _pad_rows(received[1], num_rows, 0) if request.x_scales is not None else None,
+                      recv_topk_idx, recv_topk_weights, _pad_rows(received[-1], num_rows, -1))
+
+
+def recv_tokens_per_expert(expert_counts: torch.Tensor, request: DispatchRequest, rank: int,
+                           num_local: int) -> list[int]:
+    """`num_recv_tokens_per_expert_list` from every rank's per-expert counts `[R, E]` (empty with
+    `num_worst_tokens`)."""
+    if request.num_worst_tokens > 0:
+        return []
+    local_counts = expert_counts[:, rank * num_local:(rank + 1) * num_local]
+    return routing.recv_tokens_per_expert(local_counts, request.expert_alignment).tolist()
 
 
 def _as_bytes(tensor: torch.Tensor) -> torch.Tensor:
@@ -170,8 +217,7 @@ class TorchBackend(CommBackend):
     def dispatch(self, request: DispatchRequest) -> DispatchResult:
         if self.internode is not None and self.internode.takes():
             return self.internode.dispatch(request)
-        x, x_scales, topk_idx, topk_weights = request.x, request.x_scales, request.topk_idx, request.topk_weights
-        is_token_in_rank, num_worst_tokens = request.is_token_in_rank, request.num_worst_tokens
+        x, is_token_in_rank, num_worst_tokens = request.x, request.is_token_in_rank, request.num_worst_tokens
         num_ranks, rank, device = self.num_ranks, self.rank, x.device
         num_experts = request.num_experts
         num_local = num_experts // num_ranks
@@ -196,41 +242,23 @@ class TorchBackend(CommBackend):
         send_counts = send_matrix[rank].tolist()
         recv_counts = send_matrix[:, rank].tolist()
         dest, token = routing.send_order(is_token_in_rank)
-        payload = [x] + ([x_scales] if x_scales is not None else [])
-        if topk_idx is not None:
-            payload += [topk_idx] + ([topk_weights] if topk_weights is not None else [])
-        payload.append(torch.arange(x.size(0), dtype=torch.int32, device=device))
+        payload = dispatch_payload(request)
         codec = _RowCodec.like(payload)
         recv_rows, _ = self._all_to_all(codec.pack(payload, token), send_counts, recv_counts)
-        received = codec.unpack(recv_rows)
-
-        num_recv = sum(recv_counts)
-        num_rows = num_worst_tokens if num_worst_tokens > 0 else num_recv
-        recv_x = _pad_rows(received[0], num_rows, 0)
-        recv_x_scales = _pad_rows(received[1], num_rows, 0) if x_scales is not None else None
-        recv_topk_idx = recv_topk_weights = None
-        if topk_idx is not None:
-            next_field = 2 if x_scales is not None else 1
-            local_idx, local_weights = routing.localize_topk(
-                received[next_field], received[next_field + 1] if topk_weights is not None else None, rank, num_local)
-            recv_topk_idx = _pad_rows(local_idx, num_rows, -1)
-            recv_topk_weights = _pad_rows(local_weights, num_rows, 0) if local_weights is not None else None
-        recv_src_idx = _pad_rows(received[-1], num_rows, -1)
+        num_rows = num_worst_tokens if num_worst_tokens > 0 else sum(recv_counts)
+        out = unpack_dispatched(codec.unpack(recv_rows), request, num_rows, rank, num_local)
 
         rank_prefix = routing.rank_prefix_matrix(send_matrix).to(device)
         handle = DispatchHandle(
             rank_prefix_matrix=rank_prefix,
             channel_prefix_matrix=channel_prefix.to(device),
             recv_channel_prefix_matrix=routing.recv_channel_prefix_matrix(rank_prefix, sender_channel_prefix, rank),
-            recv_src_idx=recv_src_idx,
+            recv_src_idx=out.recv_src_idx,
             is_token_in_rank=is_token_in_rank,
             send_head=routing.send_head(is_token_in_rank),
         )
-        per_expert = []
-        if num_worst_tokens == 0:
-            local_counts = expert_counts[:, rank * num_local:(rank + 1) * num_local]
-            per_expert = routing.recv_tokens_per_expert(local_counts, request.expert_alignment).tolist()
-        return DispatchResult(recv_x, recv_x_scales, recv_topk_idx, recv_topk_weights, per_expert, handle)
+        return DispatchResult(out.recv_x, out.recv_x_scales, out.recv_topk_idx, out.recv_topk_weights,
+                              recv_tokens_per_expert(expert_counts, request, rank, num_local), handle)
 
     def _check_worst_tokens(self, recv_per_rank: list[int], worst_per_rank: list[int]) -> None:
         over = [(r, n, w) for r, (n, w) in enumerate(zip(recv_per_rank, worst_per_rank)) if 0 < w < n]
