@@ -22,7 +22,7 @@ from ..requests import CombineRequest, DispatchRequest
 from ..topology import NodeTopology, node_mask
 from .base import DispatchResult
 from .torch_backend import (TorchBackend, _handle_counts, _pad_rows, _RowCodec, _sum_in_rank_order, dispatch_payload,
-                            recv_tokens_per_expert, unpack_dispatched)
+                            rank_handle, recv_tokens_per_expert, unpack_dispatched)
 
 
 class NodeGroups(NamedTuple):
@@ -191,14 +191,8 @@ class InternodePath:
 
         num_rows = num_worst_tokens if num_worst_tokens > 0 else int(send_matrix[:, me].sum())
         out = unpack_dispatched(received, request, num_rows, me, num_local)
-        rank_prefix = routing.rank_prefix_matrix(send_matrix).to(device)
         handle = InternodeDispatchHandle(
-            rank_prefix_matrix=rank_prefix,
-            channel_prefix_matrix=channel_prefix.to(device),
-            recv_channel_prefix_matrix=routing.recv_channel_prefix_matrix(rank_prefix, sender_channel_prefix, me),
-            recv_src_idx=out.recv_src_idx,
-            is_token_in_rank=is_token_in_rank,
-            send_head=routing.send_head(is_token_in_rank),
+            *rank_handle(send_matrix, channel_prefix, sender_channel_prefix, out.recv_src_idx, is_token_in_rank, me),
             rdma_channel_prefix_matrix=rdma_channel_prefix.to(device),
             recv_rdma_channel_prefix_matrix=routing.recv_channel_prefix_matrix(
                 recv_rdma_rank_prefix_sum[:, None], sender_rdma_prefix, 0),

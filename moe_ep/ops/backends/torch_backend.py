@@ -78,6 +78,22 @@ def unpack_dispatched(received: list[torch.Tensor], request: DispatchRequest, nu
                       recv_topk_idx, recv_topk_weights, _pad_rows(received[-1], num_rows, -1))
 
 
+def rank_handle(send_matrix: torch.Tensor, channel_prefix: torch.Tensor, sender_channel_prefix: torch.Tensor,
+                recv_src_idx: torch.Tensor, is_token_in_rank: torch.Tensor, rank: int) -> DispatchHandle:
+    """A dispatch's handle from every rank's send counts `[R, R]`, this rank's channel prefix `[R, C]`
+    and its senders' channel prefixes towards it `[R, C]` (docs/semantics.md)."""
+    device = is_token_in_rank.device
+    rank_prefix = routing.rank_prefix_matrix(send_matrix).to(device)
+    return DispatchHandle(
+        rank_prefix_matrix=rank_prefix,
+        channel_prefix_matrix=channel_prefix.to(device),
+        recv_channel_prefix_matrix=routing.recv_channel_prefix_matrix(rank_prefix, sender_channel_prefix, rank),
+        recv_src_idx=recv_src_idx,
+        is_token_in_rank=is_token_in_rank,
+        send_head=routing.send_head(is_token_in_rank),
+    )
+
+
 def recv_tokens_per_expert(expert_counts: torch.Tensor, request: DispatchRequest, rank: int,
                            num_local: int) -> list[int]:
     """`num_recv_tokens_per_expert_list` from every rank's per-expert counts `[R, E]` (empty with
@@ -248,15 +264,8 @@ class TorchBackend(CommBackend):
         num_rows = num_worst_tokens if num_worst_tokens > 0 else sum(recv_counts)
         out = unpack_dispatched(codec.unpack(recv_rows), request, num_rows, rank, num_local)
 
-        rank_prefix = routing.rank_prefix_matrix(send_matrix).to(device)
-        handle = DispatchHandle(
-            rank_prefix_matrix=rank_prefix,
-            channel_prefix_matrix=channel_prefix.to(device),
-            recv_channel_prefix_matrix=routing.recv_channel_prefix_matrix(rank_prefix, sender_channel_prefix, rank),
-            recv_src_idx=out.recv_src_idx,
-            is_token_in_rank=is_token_in_rank,
-            send_head=routing.send_head(is_token_in_rank),
-        )
+        handle = rank_handle(send_matrix, channel_prefix, sender_channel_prefix, out.recv_src_idx, is_token_in_rank,
+                             rank)
         return DispatchResult(out.recv_x, out.recv_x_scales, out.recv_topk_idx, out.recv_topk_weights,
                               recv_tokens_per_expert(expert_counts, request, rank, num_local), handle)
 
