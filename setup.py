@@ -1,7 +1,8 @@
 """Build script: pure Python on CPU machines, plus the CUDA extensions where they can be built:
-`moe_ep._C` (normal-mode kernels and runtime), `moe_ep._low_latency` and `moe_ep._low_latency_p2p`
-(low-latency kernels and NVSHMEM runtime) and `moe_ep._fp8` (the FP8 expert kernels). Each module is
-built from one folder of `csrc/` (see `_MODULES` and csrc/README.md); `csrc/common` holds headers only.
+`moe_ep._C` (normal-mode kernels and runtime), `moe_ep._low_latency` (low-latency and internode kernels,
+NVSHMEM runtime), `moe_ep._low_latency_p2p` (the low-latency kernels without NVSHMEM's device library) and
+`moe_ep._fp8` (the FP8 expert kernels). Each module is built from folders of `csrc/` (see `_MODULES` and
+csrc/README.md); `csrc/common` holds headers only.
 
 `MOE_EP_BUILD_CUDA=1` forces the extensions (failing loudly if they cannot be built), `=0` skips them;
 unset, they are built when the installed torch has CUDA and `nvcc` is found. The low-latency modules
@@ -26,18 +27,21 @@ from setuptools import setup
 
 ROOT = Path(__file__).parent.resolve()
 
-# The csrc folder each extension module is built from (every .cpp and .cu under it).
+# The csrc folders each extension module is built from (every .cpp and .cu under them). Internode mode
+# shares the relocatable low-latency module: NVSHMEM keeps one device state per module, and both modes'
+# kernels must see the one NVSHMEM job the process joined.
 _MODULES = {
-    "moe_ep._C": "intranode",
-    "moe_ep._low_latency": "low_latency",
-    "moe_ep._low_latency_p2p": "low_latency",
-    "moe_ep._fp8": "fp8",
+    "moe_ep._C": ("intranode",),
+    "moe_ep._low_latency": ("low_latency", "internode"),
+    "moe_ep._low_latency_p2p": ("low_latency",),
+    "moe_ep._fp8": ("fp8",),
 }
 
 
 def _sources(module: str) -> list[str]:
-    folder = ROOT / "csrc" / _MODULES[module]
-    return sorted(str(f.relative_to(ROOT)) for pattern in ("*.cpp", "*.cu") for f in folder.rglob(pattern))
+    folders = [ROOT / "csrc" / folder for folder in _MODULES[module]]
+    return sorted(str(f.relative_to(ROOT)) for folder in folders for pattern in ("*.cpp", "*.cu")
+                  for f in folder.rglob(pattern))
 
 
 def _want_cuda() -> bool:

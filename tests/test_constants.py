@@ -12,7 +12,8 @@ from moe_ep.ops import constants
 CSRC = pathlib.Path(__file__).resolve().parents[1] / "csrc"
 HEADER = CSRC / "common" / "constants.h"
 MIRRORED = {"NUM_MAX_TOPK": "kNumMaxTopk", "FP8_BLOCK": "kFp8Block", "BUFFER_ALIGNMENT": "kBufferAlignment",
-            "CHANNELS_PER_SM_PAIR": "kChannelsPerSmPair", "NUM_MAX_NVL_PEERS": "kNumMaxNvlPeers"}
+            "CHANNELS_PER_SM_PAIR": "kChannelsPerSmPair", "NUM_MAX_NVL_PEERS": "kNumMaxNvlPeers",
+            "NUM_MAX_NODES": "kNumMaxNodes"}
 _CONSTEXPR = r"constexpr\s+[\w:]+\s+{name}\s*=\s*(\d+)[uUlL]*\s*;"
 
 

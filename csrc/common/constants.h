@@ -8,6 +8,9 @@ namespace moe_ep {
 // Ranks of one NVLink group: the most the normal mode serves.
 constexpr int kNumMaxNvlPeers = 8;
 
+// Nodes of internode normal mode (its network leg's team, a rail, has one member per node).
+constexpr int kNumMaxNodes = 32;
+
 // Top-k slots per token.
 constexpr int kNumMaxTopk = 32;
 

@@ -170,6 +170,13 @@ Tensor send_buffer(const NvshmemRuntime& rt, int64_t max_tokens, int64_t hidden,
 
 }  // namespace moe_ep
 
+#ifndef MOE_EP_LL_P2P_ONLY
+namespace moe_ep {
+// Internode normal mode (csrc/internode/binding.cpp) shares this module's NVSHMEM device state.
+void register_internode(pybind11::module_& m);
+}  // namespace moe_ep
+#endif
+
 // TORCH_EXTENSION_NAME: _low_latency, or _low_latency_p2p for the P2P-only build (MOE_EP_LL_P2P_ONLY).
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
     namespace ll = moe_ep::kernels::ll;
@@ -200,4 +207,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
     m.def("ll_dispatch", &moe_ep::dispatch);
     m.def("ll_combine", &moe_ep::combine);
     m.def("ll_send_buffer", &moe_ep::send_buffer);
+#ifndef MOE_EP_LL_P2P_ONLY
+    moe_ep::register_internode(m);
+#endif
 }

@@ -94,19 +94,20 @@ class Buffer:
         self._cuda: Optional[CommBackend] = None
         # Creating the CUDA backend is collective anyway, so the nodes are learned first; otherwise on the
         # first normal-mode call (creating a torch-backend Buffer stays local).
-        if (backend == "cuda" or (backend == "auto" and self._cuda_fits())) and not self._internode_normal_mode():
-            self._cuda = create_backend("cuda", self.group, self.rank, self.group_size, num_nvl_bytes=num_nvl_bytes,
-                                        num_rdma_bytes=num_rdma_bytes, low_latency_mode=low_latency_mode,
-                                        explicitly_destroy=explicitly_destroy)
+        if backend == "cuda" or (backend == "auto" and self._cuda_may_fit()):
+            if self._internode_normal_mode():
+                if backend == "cuda" or num_rdma_bytes > 0:
+                    self._cuda = create_backend("cuda_internode", self.group, self.rank, self.group_size,
+                                                torch_backend=self._torch, num_rdma_bytes=num_rdma_bytes)
+            elif backend == "cuda" or self._cuda_fits():
+                self._cuda = create_backend("cuda", self.group, self.rank, self.group_size,
+                                            num_nvl_bytes=num_nvl_bytes, num_rdma_bytes=num_rdma_bytes,
+                                            low_latency_mode=low_latency_mode, explicitly_destroy=explicitly_destroy)
         self._destroyed = False
 
     def _internode_normal_mode(self) -> bool:
-        """Whether this is a normal-mode Buffer over several nodes, which the CUDA backend cannot serve yet."""
-        if self.low_latency_mode or self.node_topology().num_nodes == 1:
-            return False
-        if self.backend == "cuda":
-            raise _no_internode_kernels(self.node_topology())
-        return True
+        """Whether this is a normal-mode Buffer over several nodes (the internode kernels serve it)."""
+        return not self.low_latency_mode and self.node_topology().num_nodes > 1
 
     def node_topology(self, op: str = "node_topology") -> NodeTopology:
         """Which ranks form a node: learned from the hosts and `num_ranks_per_node` on first use (a
@@ -124,11 +125,15 @@ class Buffer:
                 self._torch.internode = InternodePath(self._torch, self._topology)
         return self._topology
 
+    def _cuda_may_fit(self) -> bool:
+        """`auto` may pick the CUDA kernels: NCCL ranks with the extension built and a buffer to work in."""
+        return cuda_extension_available() and _is_nccl(self.group) and (self.num_nvl_bytes > 0 or self.num_rdma_bytes > 0)
+
     def _cuda_fits(self) -> bool:
-        """`auto` picks the CUDA kernels for one NVLink node of NCCL ranks with buffers to work in."""
+        """`auto` picks the intranode or low-latency kernels for one NVLink node with buffers to work in
+        (across nodes in normal mode: the internode kernels, given `num_rdma_bytes`)."""
         has_buffer = self.num_rdma_bytes > 0 if self.low_latency_mode else self.num_nvl_bytes > 0
-        return (cuda_extension_available() and _is_nccl(self.group) and self.group_size <= NUM_MAX_NVL_PEERS
-                and has_buffer)
+        return self._cuda_may_fit() and self.group_size <= NUM_MAX_NVL_PEERS and has_buffer
 
     # ------------------------------------------------------------------ static helpers
 
@@ -214,15 +219,11 @@ class Buffer:
         return self._cuda
 
     def _normal_backend_for(self, tensor: torch.Tensor, op: str) -> CommBackend:
-        """`_backend_for` in normal mode, which first learns the nodes: across nodes the torch backend serves
-        (the CUDA internode kernels are not written yet)."""
+        """`_backend_for` in normal mode, which first learns the nodes. Across nodes a low-latency Buffer's
+        normal-mode calls take the torch backend (its CUDA backend holds no internode buffers)."""
         backend = self._backend_for(tensor)
-        topology = self.node_topology(op)
-        if backend is self._cuda and topology.num_nodes > 1:
-            if self.backend == "cuda":
-                raise _no_internode_kernels(topology)
-            return self._torch
-        return backend
+        across_nodes = self.node_topology(op).num_nodes > 1
+        return self._torch if backend is self._cuda and across_nodes and self.low_latency_mode else backend
 
     @contextlib.contextmanager
     def input_check(self, op: str, device: torch.device) -> Iterator[None]:
@@ -508,10 +509,3 @@ class Buffer:
 
 def _is_nccl(group: dist.ProcessGroup) -> bool:
     return dist.get_backend(group) == "nccl"
-
-
-def _no_internode_kernels(topology: NodeTopology) -> NotImplementedError:
-    return NotImplementedError(
-        f"backend='cuda': normal mode across {topology.num_nodes} nodes of {topology.num_ranks_per_node} ranks needs "
-        "the internode kernels, which are not implemented yet; use backend='torch' or 'auto' (the hierarchical "
-        "torch backend)")

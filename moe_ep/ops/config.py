@@ -4,7 +4,8 @@ from __future__ import annotations
 
 from dataclasses import KW_ONLY, dataclass
 
-from .constants import BUFFER_ALIGNMENT, CHANNELS_PER_SM_PAIR, FP8_BLOCK, NUM_MAX_TOPK
+from .constants import (BUFFER_ALIGNMENT, CHANNELS_PER_SM_PAIR, FP8_BLOCK, NUM_MAX_NODES, NUM_MAX_NVL_PEERS,
+                        NUM_MAX_TOPK, ROW_ALIGNMENT_BYTES)
 
 # Per-token metadata carried next to the hidden bytes: source index, top-k ids and weights.
 _TOKEN_META_BYTES = 4 + NUM_MAX_TOPK * (8 + 4)
@@ -90,12 +91,29 @@ class Config:
         return _align(self.num_channels * num_ranks * ring + counters)
 
     def get_rdma_buffer_size_hint(self, hidden_bytes: int, num_ranks: int, num_ranks_per_node: int = 8) -> int:
-        """Bytes of RDMA buffer one rank needs in normal mode: zero inside a single node."""
+        """Bytes of symmetric (RDMA) buffer one rank needs in normal mode across nodes, zero in one node.
+
+        `hidden_bytes` = hidden * max(element size, 2), as DeepEP asks (it bounds FP8 rows with their
+        scales, and BF16 combine rows). Both legs' rings must fit (`internode_rdma_bytes`): the network
+        leg has one member per node, the node leg one per local rank."""
         num_nodes = (num_ranks + num_ranks_per_node - 1) // num_ranks_per_node
         if num_nodes <= 1:
             return 0
-        ring = self.num_max_rdma_chunked_recv_tokens * self._token_bytes(hidden_bytes)
-        return _align(2 * self.num_channels * num_nodes * ring + num_nodes * 64 * 4)
+        row_bytes = _align(self._token_bytes(hidden_bytes) + NUM_MAX_NVL_PEERS, ROW_ALIGNMENT_BYTES)
+        return max(internode_rdma_bytes(self, team, row_bytes) for team in (num_nodes, num_ranks_per_node))
+
+
+def internode_rdma_bytes(config: Config, team: int, row_bytes: int) -> int:
+    """Symmetric buffer one internode exchange needs (the mirror of `make_layout` in
+    csrc/internode/kernels/layout.cpp): handshake words per PE, then per (channel, member) a head counter,
+    a flag per ring chunk, and a send and a receive ring of whole chunks, at least two."""
+    channels = max(1, config.num_sms // 2)
+    chunk = config.num_max_rdma_chunked_send_tokens
+    chunks_per_ring = max(2, config.num_max_rdma_chunked_recv_tokens // chunk)
+    rings = channels * team
+    ring_bytes = _align(rings * chunks_per_ring * chunk * row_bytes)
+    return (_align(8 * NUM_MAX_NODES * NUM_MAX_NVL_PEERS) + _align(8 * rings) + _align(8 * rings * chunks_per_ring)
+            + 2 * ring_bytes)
 
 
 def default_dispatch_config(num_ranks: int, num_sms: int) -> Config:

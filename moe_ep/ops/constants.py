@@ -22,3 +22,6 @@ NUM_MAX_NVL_PEERS = 8
 ROW_ALIGNMENT_BYTES = 16
 """Rows move as 16-byte vectors: a token row's bytes must be a multiple of this (no C++ name: the
 kernels' `int4` loads and stores)."""
+
+NUM_MAX_NODES = 32
+"""Nodes internode normal mode serves (`kNumMaxNodes`): the network leg's team has one member per node."""

@@ -18,7 +18,8 @@ def cuda_extension_available() -> bool:
 
 
 def create_backend(name: str, group: dist.ProcessGroup, rank: int, num_ranks: int, **options: object) -> CommBackend:
-    """Instantiate the backend called `name` ("torch" or "cuda") for `group`."""
+    """Instantiate the backend called `name` ("torch", "cuda", or "cuda_internode": normal mode across nodes)
+    for `group`."""
     if name == "torch":
         from .torch_backend import TorchBackend
 
@@ -30,4 +31,10 @@ def create_backend(name: str, group: dist.ProcessGroup, rank: int, num_ranks: in
         from .cuda_backend import CudaBackend
 
         return CudaBackend(group, rank, num_ranks, **options)
+    if name == "cuda_internode":
+        if not torch.cuda.is_available():
+            raise RuntimeError("backend='cuda': no GPU is visible")
+        from .cuda_internode import CudaInternodeBackend
+
+        return CudaInternodeBackend(group, rank, num_ranks, **options)
     raise ValueError(f"backend: unknown backend {name!r}")

@@ -97,13 +97,25 @@ def _choose_transport(group: dist.ProcessGroup, num_ranks: int, device: torch.de
     return single_host, "p2p" if peer_access else "nvshmem"
 
 
-def _init_nvshmem(group: dist.ProcessGroup, rank: int, num_ranks: int, device: torch.device) -> None:
+def nvshmem_module():
+    """`moe_ep._low_latency`: the module with NVSHMEM's device library (internode mode lives there too)."""
+    return _module(_MODULES["nvshmem"])
+
+
+def init_nvshmem(group: dist.ProcessGroup, rank: int, num_ranks: int, device: torch.device,
+                 device_api: bool = False) -> None:
+    """Join this process to the NVSHMEM job of `group` (once per process; collective the first time).
+    `device_api`: the caller's kernels use NVSHMEM's device API (internode mode), so the P2P-only module,
+    which initialises NVSHMEM's host library alone, cannot be the one that joins."""
     global _nvshmem_members, _transport
     members = tuple(dist.get_process_group_ranks(group))
     if _nvshmem_members is not None:
         if members != _nvshmem_members:
-            raise RuntimeError(f"low-latency mode: NVSHMEM already joined this process with group {_nvshmem_members}; "
-                               f"every low-latency Buffer of a process must use the same group, got {members}")
+            raise RuntimeError(f"NVSHMEM already joined this process with group {_nvshmem_members}; every "
+                               f"low-latency or internode Buffer of a process must use the same group, got {members}")
+        if device_api and _transport == "p2p":
+            raise RuntimeError("internode mode: NVSHMEM joined this process through moe_ep._low_latency_p2p (a "
+                               "low-latency Buffer created first); set MOE_EP_LOW_LATENCY_TRANSPORT=nvshmem")
         return
     # NVLink SHArP (multicast) stays off: it can take down GPUs shared with others. Without another
     # host in the group no remote transport is needed, which also skips probing for InfiniBand.
@@ -111,6 +123,8 @@ def _init_nvshmem(group: dist.ProcessGroup, rank: int, num_ranks: int, device: t
     # place the library writes the process environment (setdefault: a user's own choice stands).
     os.environ.setdefault("NVSHMEM_DISABLE_NVLS", "1")
     single_host, _transport = _choose_transport(group, num_ranks, device)
+    if device_api and _transport == "p2p":
+        _transport = "nvshmem"
     if single_host:
         os.environ.setdefault("NVSHMEM_REMOTE_TRANSPORT", "none")
     runtime = _ext().NvshmemRuntime
@@ -148,7 +162,7 @@ class LowLatencyRuntime:
         self.device = torch.device("cuda", torch.cuda.current_device())
         if timeout_s is None:
             timeout_s = settings().timeout_s
-        _init_nvshmem(group, rank, num_ranks, self.device)
+        init_nvshmem(group, rank, num_ranks, self.device)
         # NVSHMEM's symmetric allocation is collective with no timeout; a rank that never creates its
         # Buffer must fail the others here, through the process group's timeout, instead.
         dist.barrier(group=group, device_ids=[self.device.index])

@@ -3,20 +3,23 @@
 A token crosses the network once per destination node, to the rank with its own local index there
 (its "rail"), which forwards it to the ranks of that node that need it; combine reverses the two legs
 and reduces inside the expert-side node first, so one partial row per (token, node) crosses the
-network. Both legs are `all_to_all_single` calls over sub-groups created once per Buffer: the rail
-group (the ranks with this rank's local index, one per node) and the node group (this rank's node).
-Outputs are exactly those of the flat path (docs/semantics.md, "Internode"), which the same module
-makes use the two-level combine reduction when there is more than one node.
+network. The legs move packed byte rows between the members of a team: the rail (the ranks with this
+rank's local index, one per node) and the node (its ranks). `TorchLegs` runs them as `all_to_all_single`
+over sub-groups created once per Buffer; the CUDA backend's `NvshmemLegs` (cuda_internode.py) as NVSHMEM
+kernels. Everything else (the count exchange, packing, ordering and the reductions) is this module's, so
+both backends give the same bits. Outputs are exactly those of the flat path (docs/semantics.md,
+"Internode"), which the same module makes use the two-level combine reduction across nodes.
 """
 
 from __future__ import annotations
 
-from typing import NamedTuple, Optional
+from typing import NamedTuple, Optional, Protocol
 
 import torch
 import torch.distributed as dist
 
 from .. import routing
+from ..config import Config
 from ..handles import InternodeDispatchHandle
 from ..requests import CombineRequest, DispatchRequest
 from ..topology import NodeTopology, node_mask
@@ -73,6 +76,44 @@ def _exchange(rows: torch.Tensor, send_counts: list[int], recv_counts: list[int]
     return recv
 
 
+class Legs(Protocol):
+    """How the two legs move rows (`[N, row_bytes]` uint8, grouped by destination member in team order).
+
+    `rail` exchanges with the rail's members (node order), `node` with the node's (local-rank order);
+    each returns the rows received, grouped by source member. Every rank makes the same calls with the
+    same `config` (the CUDA legs size their rings by it). Rows are padded to `row_alignment` bytes."""
+
+    row_alignment: int
+
+    def rail(self, rows: torch.Tensor, send_counts: list[int], recv_counts: list[int], config: Config) -> torch.Tensor:
+        ...
+
+    def node(self, rows: torch.Tensor, send_counts: list[int], recv_counts: list[int], config: Config) -> torch.Tensor:
+        ...
+
+    def destroy(self) -> None:
+        ...
+
+
+class TorchLegs:
+    """Both legs as `all_to_all_single` over the rail and node sub-groups (any torch.distributed backend)."""
+
+    def __init__(self, group: dist.ProcessGroup, topology: NodeTopology, row_alignment: int = 1) -> None:
+        self.groups = create_node_groups(group, topology)
+        self.row_alignment = row_alignment
+
+    def rail(self, rows: torch.Tensor, send_counts: list[int], recv_counts: list[int], config: Config) -> torch.Tensor:
+        return _exchange(rows, send_counts, recv_counts, self.groups.rail)
+
+    def node(self, rows: torch.Tensor, send_counts: list[int], recv_counts: list[int], config: Config) -> torch.Tensor:
+        return _exchange(rows, send_counts, recv_counts, self.groups.node)
+
+    def destroy(self) -> None:
+        for group in self.groups.created:
+            dist.destroy_process_group(group)
+        self.groups = NodeGroups(None, None, ())
+
+
 def _counts_from_prefix(prefix: torch.Tensor) -> list[int]:
     counts = prefix.long().clone()
     counts[1:] -= prefix[:-1].long()
@@ -92,7 +133,9 @@ def _arrival_order(counts_to_me: list[int], topology: NodeTopology,
 
 
 class InternodePath:
-    """The torch backend's normal mode across nodes; the Buffer attaches it as `TorchBackend.internode`.
+    """Normal mode across nodes over `legs` (default `TorchLegs`); the Buffer attaches the torch backend's
+    as `TorchBackend.internode`, the CUDA backend runs one over `NvshmemLegs`. `backend` (a torch backend
+    over the Buffer's group) exchanges the counts and checks `num_worst_tokens`.
 
     `hierarchical` (default True) selects the two-leg path for fresh dispatches; False keeps the flat
     all-to-all (the tests' and benchmarks' baseline: same outputs). A cached dispatch or a combine
@@ -101,12 +144,12 @@ class InternodePath:
     (and their packed bytes) this rank's last hierarchical call sent to other nodes.
     """
 
-    def __init__(self, backend: TorchBackend, topology: NodeTopology) -> None:
+    def __init__(self, backend: TorchBackend, topology: NodeTopology, legs: Optional[Legs] = None) -> None:
         if topology.num_nodes < 2:
             raise ValueError(f"topology: the internode path needs more than one node, got {topology}")
         self.backend = backend
         self.topology = topology
-        self.groups = create_node_groups(backend.group, topology)
+        self.legs: Legs = legs if legs is not None else TorchLegs(backend.group, topology)
         self.hierarchical = True
         self.last_path: Optional[str] = None
         self.last_network_rows = 0
@@ -119,9 +162,10 @@ class InternodePath:
         return two_legs
 
     def destroy(self) -> None:
-        for group in self.groups.created:
-            dist.destroy_process_group(group)
-        self.groups = NodeGroups(None, None, ())
+        self.legs.destroy()
+
+    def _codec(self, tensors: list[torch.Tensor], extra_bytes: int = 0) -> _RowCodec:
+        return _RowCodec.like(tensors, extra_bytes, self.legs.row_alignment)
 
     def _count_network(self, send_counts: list[int], row_bytes: int) -> None:
         rows = sum(send_counts) - send_counts[self.topology.node]
@@ -129,19 +173,26 @@ class InternodePath:
 
     # ------------------------------------------------------------------ the two legs
 
-    def _to_rails(self, rows: torch.Tensor, to_node: torch.Tensor, from_nodes: list[int]) -> torch.Tensor:
+    def _to_rails(self, rows: torch.Tensor, to_node: torch.Tensor, from_nodes: list[int], config: Config) -> torch.Tensor:
         """Network leg: rows (node-major) to the rail rank of each node; returns the rows received."""
         send_counts = to_node.sum(0).tolist()
         self._count_network(send_counts, rows.size(1))
-        return _exchange(rows, send_counts, from_nodes, self.groups.rail)
+        return self.legs.rail(rows, send_counts, from_nodes, config)
 
-    def _forward(self, rail_rows: torch.Tensor, forward: torch.Tensor, counts_to_me: list[int]) -> torch.Tensor:
+    def _forward(self, rail_rows: torch.Tensor, forward: torch.Tensor, counts_to_me: list[int],
+                 config: Config) -> torch.Tensor:
         """Node leg: each rail row to the local ranks `forward [N_rail, L]` names; returns the received rows in
         the final (source-rank-major) order."""
         _, row = routing.send_order(forward)
         order, from_forwarders = _arrival_order(counts_to_me, self.topology, rail_rows.device)
-        received = _exchange(rail_rows[row], forward.sum(0).tolist(), from_forwarders, self.groups.node)
+        received = self._node_leg(rail_rows[row], forward.sum(0).tolist(), from_forwarders, config)
         return received[order]
+
+    def _node_leg(self, rows: torch.Tensor, send_counts: list[int], recv_counts: list[int],
+                  config: Config) -> torch.Tensor:
+        if self.topology.num_ranks_per_node == 1:  # the node is this rank alone
+            return rows
+        return self.legs.node(rows, send_counts, recv_counts, config)
 
     # ------------------------------------------------------------------ normal mode
 
@@ -180,14 +231,14 @@ class InternodePath:
         # Network leg: each token once per destination node, with the node's slice of its rank mask.
         dest_node, token = routing.send_order(to_node)
         payload = dispatch_payload(request)
-        codec = _RowCodec.like(payload)
+        codec = self._codec(payload, extra_bytes=topo.num_ranks_per_node)
         in_node = is_token_in_rank.reshape(x.size(0), num_nodes, topo.num_ranks_per_node)[token, dest_node]
-        rows = torch.cat([codec.pack(payload, token), in_node.to(torch.uint8)], dim=1)
-        rail_rows = self._to_rails(rows, to_node, sender_rdma_prefix[:, -1].tolist())
+        rail_rows = self._to_rails(codec.pack(payload, token, extra=in_node), to_node,
+                                   sender_rdma_prefix[:, -1].tolist(), config)
 
         # Node leg: the rail rank forwards each row to the ranks of its node that need it.
-        forward = rail_rows[:, codec.row_bytes:].bool()
-        received = codec.unpack(self._forward(rail_rows[:, :codec.row_bytes], forward, send_matrix[:, me].tolist()))
+        forward = codec.extra(rail_rows).bool()
+        received = codec.unpack(self._forward(rail_rows, forward, send_matrix[:, me].tolist(), config))
 
         num_rows = num_worst_tokens if num_worst_tokens > 0 else int(send_matrix[:, me].sum())
         out = unpack_dispatched(received, request, num_rows, me, num_local)
@@ -209,11 +260,12 @@ class InternodePath:
         to_node = hdl.send_rdma_head >= 0
         _, token = routing.send_order(to_node)
         payload = [x] + ([x_scales] if x_scales is not None else [])
-        codec = _RowCodec.like(payload)
+        codec = self._codec(payload)
         from_nodes = _counts_from_prefix(hdl.recv_rdma_rank_prefix_sum)
-        rail_rows = self._to_rails(codec.pack(payload, token), to_node, from_nodes)
+        rail_rows = self._to_rails(codec.pack(payload, token), to_node, from_nodes, request.config)
         forward = hdl.send_nvl_head[:sum(from_nodes)] >= 0
-        received = codec.unpack(self._forward(rail_rows, forward, _handle_counts(hdl, self.topology.rank)[1]))
+        received = codec.unpack(self._forward(rail_rows, forward, _handle_counts(hdl, self.topology.rank)[1],
+                                              request.config))
         num_rows = hdl.recv_src_idx.numel()
         recv_scales = _pad_rows(received[1], num_rows, 0) if x_scales is not None else None
         return _pad_rows(received[0], num_rows, 0), recv_scales
@@ -231,11 +283,11 @@ class InternodePath:
         arrival[order] = torch.arange(order.numel(), device=device)
         num_real = sum(counts_to_me)
         payload = [x[:num_real]] + ([topk_weights[:num_real]] if topk_weights is not None else [])
-        codec = _RowCodec.like(payload)
+        codec = self._codec(payload)
         from_nodes = _counts_from_prefix(hdl.recv_rdma_rank_prefix_sum)
         forward = hdl.send_nvl_head[:sum(from_nodes)] >= 0
-        back = codec.unpack(_exchange(codec.pack(payload, arrival), to_forwarders, forward.sum(0).tolist(),
-                                      self.groups.node))
+        back = codec.unpack(self._node_leg(codec.pack(payload, arrival), to_forwarders, forward.sum(0).tolist(),
+                                           request.config))
 
         # The rail rank reduces each token's rows of its node in local-rank order, rounded to x's dtype.
         local_rank, rail_row = routing.send_order(forward)
@@ -247,10 +299,10 @@ class InternodePath:
 
         # Network leg back: one partial row per (token, node); the source adds them in node order.
         to_node = hdl.send_rdma_head >= 0
-        partial_codec = _RowCodec.like(partials)
+        partial_codec = self._codec(partials)
         rows = partial_codec.pack(partials)
         self._count_network(from_nodes, rows.size(1))
-        node_partials = partial_codec.unpack(_exchange(rows, from_nodes, to_node.sum(0).tolist(), self.groups.rail))
+        node_partials = partial_codec.unpack(self.legs.rail(rows, from_nodes, to_node.sum(0).tolist(), request.config))
         dest_node, token = routing.send_order(to_node)
         combined = torch.zeros(to_node.size(0), x.size(1), dtype=acc_dtype, device=device)
         for bias in (bias_0, bias_1):

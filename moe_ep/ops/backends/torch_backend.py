@@ -115,24 +115,40 @@ def _as_bytes(tensor: torch.Tensor) -> torch.Tensor:
 
 
 class _RowCodec:
-    """Packs several per-row tensors into one uint8 matrix so one collective moves them all."""
+    """Packs several per-row tensors into one uint8 matrix so one collective moves them all.
 
-    def __init__(self, templates: Sequence[tuple[torch.dtype, tuple[int, ...]]]) -> None:
+    `extra_bytes` leaves room after the packed tensors for bytes the caller supplies per packed row
+    (`pack`'s `extra`), and rows are padded with zeros to a multiple of `align` bytes (kernels that
+    move rows as 16-byte vectors need it); `unpack` ignores both."""
+
+    def __init__(self, templates: Sequence[tuple[torch.dtype, tuple[int, ...]]], extra_bytes: int = 0,
+                 align: int = 1) -> None:
         self.templates = list(templates)
         self.widths = [torch.Size(shape).numel() * torch.empty((), dtype=dtype).element_size() for dtype, shape in templates]
-
-    @property
-    def row_bytes(self) -> int:
-        return sum(self.widths)
+        self.data_bytes = sum(self.widths)
+        self.extra_bytes = extra_bytes
+        self.row_bytes = -(-(self.data_bytes + extra_bytes) // align) * align
 
     @classmethod
-    def like(cls, tensors: Sequence[torch.Tensor]) -> "_RowCodec":
-        return cls([(t.dtype, tuple(t.shape[1:])) for t in tensors])
+    def like(cls, tensors: Sequence[torch.Tensor], extra_bytes: int = 0, align: int = 1) -> "_RowCodec":
+        return cls([(t.dtype, tuple(t.shape[1:])) for t in tensors], extra_bytes, align)
 
-    def pack(self, tensors: Sequence[torch.Tensor], index: Optional[torch.Tensor] = None) -> torch.Tensor:
-        """Rows `index` (all rows if None) of every tensor, side by side as bytes (FP8 moves as bytes too)."""
+    def pack(self, tensors: Sequence[torch.Tensor], index: Optional[torch.Tensor] = None,
+             extra: Optional[torch.Tensor] = None) -> torch.Tensor:
+        """Rows `index` (all rows if None) of every tensor, side by side as bytes (FP8 moves as bytes too),
+        then `extra` (uint8 `[rows, extra_bytes]`, already one row per packed row) and the padding."""
         parts = [_as_bytes(t) if index is None else _as_bytes(t)[index] for t in tensors]
+        if self.extra_bytes:
+            assert extra is not None and extra.shape == (parts[0].size(0), self.extra_bytes)
+            parts.append(extra.to(torch.uint8))
+        padding = self.row_bytes - self.data_bytes - self.extra_bytes
+        if padding:
+            parts.append(torch.zeros(parts[0].size(0), padding, dtype=torch.uint8, device=parts[0].device))
         return torch.cat(parts, dim=1) if len(parts) > 1 else parts[0]
+
+    def extra(self, rows: torch.Tensor) -> torch.Tensor:
+        """The caller's bytes of packed `rows`."""
+        return rows[:, self.data_bytes:self.data_bytes + self.extra_bytes]
 
     def unpack(self, rows: torch.Tensor) -> list[torch.Tensor]:
         out, start = [], 0
