@@ -2,9 +2,10 @@
 # One device call: build the extensions, run tests/gpu, run the benchmarks; logs and JSON under $OUT, a
 # short table printed last.
 #   bash scripts/gpu_check.sh [parts] [extra intranode-benchmark args...]
-#   parts: comma list of build,test,bench,ll,layer,fp8gemm,probe,examples,decodediag (default: the first six
-#     on a machine with EP GPUs or more; build,test,fp8gemm on smaller ones, whose multi-rank tests put
-#     several ranks on a GPU);
+#   parts: comma list of build,test,bench,ll,layer,internode,fp8gemm,probe,examples,decodediag (default:
+#     build,test,bench,ll,layer,fp8gemm on a machine with EP GPUs or more; build,test,fp8gemm on smaller ones,
+#     whose multi-rank tests put several ranks on a GPU); internode: bench_internode.py --backend cuda with
+#     virtual nodes (INTERNODE_ARGS);
 #     test: every tests/gpu file on its own (its timeout from FILE_TIMEOUTS, else FILE_TIMEOUT seconds,
 #     then SIGINT so that pytest still reports failures and durations; one log), so a hang in one file
 #     costs only its own time; TESTS narrows the files, PYTEST_ARGS adds pytest options; the summary
@@ -122,6 +123,10 @@ if has ll; then
     done
 fi
 has layer && run_bench "MoE layer" "${LAYER_TIMEOUT:-200}" bench_moe_layer.py bench_moe_layer.json --world "$EP" ${LAYER_ARGS:-}
+# Internode mode with virtual nodes on this host (INTERNODE_ARGS, default 2 nodes of 2 ranks, the small shape:
+# on one GPU its ranks share the GPU, so it checks the dedup counter and the path, not bandwidth).
+has internode && run_bench "internode (cuda)" "${INTERNODE_TIMEOUT:-120}" bench_internode.py bench_internode_cuda.json \
+    --backend cuda ${INTERNODE_ARGS:---world 4 --ranks-per-node 2 --shape small}
 has fp8gemm && run_bench "FP8 grouped GEMM" "${FP8GEMM_TIMEOUT:-150}" bench_fp8_grouped_gemm.py \
     bench_fp8_grouped_gemm.json ${FP8GEMM_ARGS:-}
 

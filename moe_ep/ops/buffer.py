@@ -197,9 +197,7 @@ class Buffer:
         no call raised yet: the `ValueError` of a dispatch whose `num_worst_tokens` was too small (found
         without a host wait, see docs/semantics.md) or the `RuntimeError` of a failed kernel, normal or
         low-latency. The torch backend raises in the call itself."""
-        from .backends.cuda_backend import CudaBackend
-
-        if isinstance(self._cuda, CudaBackend):
+        if self._cuda is not None:
             self._cuda.check_errors()
 
     def backend_name_for(self, tensor: torch.Tensor) -> str:

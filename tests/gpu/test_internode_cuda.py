@@ -65,11 +65,13 @@ def _buffer(ranks_per_node: int, kind: str) -> moe_ep.Buffer:
 
 
 def _to(value: object, device: torch.device) -> object:
+    """Tensors in nested dicts, tuples and lists moved to `device`."""
     if isinstance(value, torch.Tensor):
         return value.to(device)
+    if isinstance(value, dict):
+        return {key: _to(v, device) for key, v in value.items()}
     if isinstance(value, (tuple, list)):
-        return type(value)(_to(v, device) for v in value) if not hasattr(value, "_fields") else type(value)(
-            *(_to(v, device) for v in value))
+        return type(value)(_to(v, device) for v in value)
     return value
 
 
@@ -162,8 +164,8 @@ def _autograd(rank: int, world: int) -> list[torch.Tensor]:
     grads = []
     for kind, device in (("torch", _reference_device()), ("cuda", torch.device("cuda"))):
         buffer = _buffer(size, kind)
-        x = mine.x.to(device).requires_grad_()
-        w = mine.topk_weights.to(device).requires_grad_()
+        x = mine.x.detach().to(device, copy=True).requires_grad_()
+        w = mine.topk_weights.detach().to(device, copy=True).requires_grad_()
         out = ops.dispatch(buffer, x, mine.topk_idx.to(device), w, num_experts, expert_alignment=4)
         y = out.recv_x * scale[rank].to(device) * out.recv_topk_weights.double().sum(1, keepdim=True)
         combined = ops.combine(buffer, y, out.handle)

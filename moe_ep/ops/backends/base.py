@@ -81,3 +81,7 @@ class CommBackend(ABC):
 
     def destroy(self) -> None:
         """Release resources; the backend is unusable afterwards."""
+
+    def check_errors(self) -> None:
+        """Raise what the backend's kernels reported and no call raised yet (nothing where every call
+        raises its own errors, as on the torch backend)."""
