@@ -187,8 +187,9 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
     });
     // Module-local: both low-latency modules bind this C++ type, and one process may import both.
     py::class_<NvshmemRuntime>(m, "NvshmemRuntime", py::module_local())
-        .def(py::init<int, int, int64_t, double, bool>(), py::arg("rank"), py::arg("num_ranks"), py::arg("num_bytes"),
-             py::arg("timeout_s"), py::arg("puts_only") = false, py::call_guard<py::gil_scoped_release>())
+        .def(py::init<int, int, int64_t, double, bool, int>(), py::arg("rank"), py::arg("num_ranks"),
+             py::arg("num_bytes"), py::arg("timeout_s"), py::arg("puts_only") = false, py::arg("ranks_per_node") = 0,
+             py::call_guard<py::gil_scoped_release>())
         .def_static("unique_id_bytes", &NvshmemRuntime::unique_id_bytes)
         .def_static("create_unique_id", [] { return py::bytes(NvshmemRuntime::create_unique_id()); })
         .def_static(

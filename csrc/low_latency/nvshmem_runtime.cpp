@@ -60,7 +60,8 @@ void NvshmemRuntime::init(const std::string& unique_id, int rank, int num_ranks)
     g_num_ranks = num_ranks;
 }
 
-NvshmemRuntime::NvshmemRuntime(int rank, int num_ranks, int64_t num_bytes, double timeout_s, bool puts_only)
+NvshmemRuntime::NvshmemRuntime(int rank, int num_ranks, int64_t num_bytes, double timeout_s, bool puts_only,
+                               int ranks_per_node)
     : rank_(rank), num_ranks_(num_ranks), num_bytes_(kernels::align_buffer_bytes(num_bytes)), timeout_s_(timeout_s) {
 #ifdef MOE_EP_LL_P2P_ONLY
     if (puts_only)
@@ -79,10 +80,11 @@ NvshmemRuntime::NvshmemRuntime(int rank, int num_ranks, int64_t num_bytes, doubl
     cuda_check(cudaMemset(base_, 0, num_bytes_), "cudaMemset(symmetric buffer)");
 
     // Peers whose buffer NVSHMEM maps into this process are written with plain stores (with
-    // `puts_only`, only this rank's own).
+    // `puts_only`, only this rank's own; with `ranks_per_node`, only those of this rank's node).
     std::vector<uint8_t*> peers(num_ranks);
     for (int r = 0; r < num_ranks; ++r) {
-        peers[r] = puts_only && r != rank ? nullptr : static_cast<uint8_t*>(nvshmem_ptr(base_, r));
+        const bool other_node = ranks_per_node > 0 && r / ranks_per_node != rank / ranks_per_node;
+        peers[r] = (puts_only && r != rank) || other_node ? nullptr : static_cast<uint8_t*>(nvshmem_ptr(base_, r));
         all_peers_mapped_ = all_peers_mapped_ && peers[r] != nullptr;
     }
 #ifdef MOE_EP_LL_P2P_ONLY

@@ -21,8 +21,10 @@ class NvshmemRuntime {
 
     // Allocates `num_bytes` of symmetric memory (collective: every rank calls it in the same order).
     // `puts_only`: every other rank is reached through NVSHMEM puts, even one NVSHMEM maps (tests the
-    // path of peers without P2P on one node; not in the P2P-only module).
-    NvshmemRuntime(int rank, int num_ranks, int64_t num_bytes, double timeout_s, bool puts_only = false);
+    // path of peers without P2P on one node; not in the P2P-only module). `ranks_per_node` > 0: ranks of
+    // other (virtual) nodes, groups of that many consecutive ranks, are reached through puts likewise.
+    NvshmemRuntime(int rank, int num_ranks, int64_t num_bytes, double timeout_s, bool puts_only = false,
+                   int ranks_per_node = 0);
     ~NvshmemRuntime();
     NvshmemRuntime(const NvshmemRuntime&) = delete;
     NvshmemRuntime& operator=(const NvshmemRuntime&) = delete;

@@ -100,9 +100,13 @@ class Buffer:
                     self._cuda = create_backend("cuda_internode", self.group, self.rank, self.group_size,
                                                 torch_backend=self._torch, num_rdma_bytes=num_rdma_bytes)
             elif backend == "cuda" or self._cuda_fits():
-                self._cuda = create_backend("cuda", self.group, self.rank, self.group_size,
-                                            num_nvl_bytes=num_nvl_bytes, num_rdma_bytes=num_rdma_bytes,
-                                            low_latency_mode=low_latency_mode, explicitly_destroy=explicitly_destroy)
+                # Low-latency mode reaches ranks of other (virtual) nodes through NVSHMEM puts.
+                nodes = self.node_topology() if low_latency_mode else None
+                self._cuda = create_backend(
+                    "cuda", self.group, self.rank, self.group_size, num_nvl_bytes=num_nvl_bytes,
+                    num_rdma_bytes=num_rdma_bytes, low_latency_mode=low_latency_mode,
+                    explicitly_destroy=explicitly_destroy,
+                    num_ranks_per_node=nodes.num_ranks_per_node if nodes is not None and nodes.num_nodes > 1 else 0)
         self._destroyed = False
 
     def _internode_normal_mode(self) -> bool:

@@ -229,3 +229,48 @@ def test_buffer_size_formula_matches_kernels() -> None:
         config = moe_ep.Config(num_sms, 6, 256, chunk, ring)
         kernels = nvshmem_module().internode_buffer_bytes(exchange_channels(config), team, chunk, ring, row_bytes)
         assert internode_rdma_bytes(config, team, row_bytes) == kernels
+
+
+def _low_latency_virtual_nodes(rank: int, world: int) -> dict[str, object]:
+    """Low-latency dispatch and combine with 2 virtual nodes of `world / 2` ranks (peers on the other node
+    reached through NVSHMEM puts) on the CUDA Buffer and the torch Buffer, BF16 then FP8."""
+    max_tokens, hidden, experts_per_rank, topk = 24, 2048, 3, 4
+    num_experts = experts_per_rank * world
+    inputs = make_inputs(31, world, tokens_for((20, 7, 0, 24), world), hidden, num_experts, topk)
+    mine = inputs[rank]
+    rdma_bytes = moe_ep.Buffer.get_low_latency_rdma_size_hint(max_tokens, hidden, world, num_experts)
+    buffers = {
+        "cuda": moe_ep.Buffer(dist.group.WORLD, 0, rdma_bytes, low_latency_mode=True, backend="cuda",
+                              num_ranks_per_node=world // 2),
+        "torch": moe_ep.Buffer(dist.group.WORLD, 0, rdma_bytes, low_latency_mode=True, backend="torch",
+                               num_ranks_per_node=world // 2),
+    }
+    devices = {"cuda": torch.device("cuda"), "torch": _reference_device()}
+    results: dict[str, object] = {"mapped": buffers["cuda"]._cuda._low_latency._runtime.all_peers_mapped}
+    for use_fp8 in (False, True):
+        for kind, buffer in buffers.items():
+            device = devices[kind]
+            topk_idx = mine.topk_idx.to(device)
+            recv, count, handle, _, _ = buffer.low_latency_dispatch(mine.x.to(device), topk_idx, max_tokens,
+                                                                    num_experts, use_fp8=use_fp8)
+            data, scales = recv if use_fp8 else (recv, None)
+            # Rows past recv_count are unspecified: keep the received ones of each local expert.
+            count = count.cpu()
+            rows = [data[e, :n].cpu() for e, n in enumerate(count.tolist())]
+            if scales is not None:
+                rows += [scales[e, :n].cpu() for e, n in enumerate(count.tolist())]
+            src = [handle[0][e, :n].cpu() for e, n in enumerate(count.tolist())]
+            y = (fp8.per_token_cast_back(data.flatten(0, 1), scales.flatten(0, 1), torch.bfloat16).view_as(data)
+                 if use_fp8 else data)
+            combined = buffer.low_latency_combine(y, topk_idx, mine.topk_weights.to(device), handle)[0]
+            results[f"{kind}_{use_fp8}"] = (count, rows, src, handle[1].cpu(), combined.cpu())
+    return results
+
+
+@needs_gpu
+@pytest.mark.parametrize("world", gpu_worlds(4, most_sharing=4))
+def test_low_latency_reaches_other_virtual_nodes_by_puts(gpu_pool, world: int) -> None:
+    for result in gpu_pool(world).run(_low_latency_virtual_nodes, timeout=300):
+        assert result["mapped"] is False  # peers of the other node go through NVSHMEM puts
+        for use_fp8 in (False, True):
+            _same(result[f"cuda_{use_fp8}"], result[f"torch_{use_fp8}"], f"low-latency fp8={use_fp8}")

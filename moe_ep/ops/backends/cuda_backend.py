@@ -43,7 +43,8 @@ def is_sm90_compiled() -> bool:
 
 
 class CudaBackend(CommBackend):
-    """Normal-mode dispatch/combine with NVLink kernels; low-latency mode over NVSHMEM (delegated).
+    """Normal-mode dispatch/combine with NVLink kernels; low-latency mode over NVSHMEM (delegated), whose
+    peers on other nodes (`num_ranks_per_node` > 0: virtual nodes of that many ranks) are reached by puts.
 
     The kernels take `Config.pipeline_lag`, and a combine returns the rows through the staging area or
     the rings as `Config.combine_path` says; `last_combine_path()` tells which ran.
@@ -60,6 +61,7 @@ class CudaBackend(CommBackend):
         num_rdma_bytes: int = 0,
         low_latency_mode: bool = False,
         explicitly_destroy: bool = False,
+        num_ranks_per_node: int = 0,
     ) -> None:
         super().__init__(group, rank, num_ranks)
         if num_ranks > NUM_MAX_NVL_PEERS:
@@ -74,7 +76,8 @@ class CudaBackend(CommBackend):
         self._runtime.open_peers(handles)
         self._low_latency: Optional[LowLatencyRuntime] = None
         if low_latency_mode and num_rdma_bytes > 0:
-            self._low_latency = LowLatencyRuntime(group, rank, num_ranks, num_rdma_bytes)
+            self._low_latency = LowLatencyRuntime(group, rank, num_ranks, num_rdma_bytes,
+                                                  num_ranks_per_node=num_ranks_per_node)
 
     def agree(self, op: str, fields: Mapping[str, int], local_error: Optional[Exception], device: torch.device) -> None:
         # No collective on the hot path: a rank that rejects its input raises here, its peers time out.

@@ -151,7 +151,10 @@ class LowLatencyRuntime:
     """The low-latency half of the CUDA backend (see the module docstring)."""
 
     def __init__(self, group: dist.ProcessGroup, rank: int, num_ranks: int, num_rdma_bytes: int,
-                 timeout_s: Optional[float] = None) -> None:
+                 timeout_s: Optional[float] = None, num_ranks_per_node: int = 0) -> None:
+        """`num_ranks_per_node` > 0 groups the ranks into (virtual) nodes of that many: peers on other nodes
+        are reached through NVSHMEM puts, never direct stores, even where NVSHMEM maps them (0: the hosts
+        decide, through what NVSHMEM can map)."""
         if not low_latency_available():
             raise RuntimeError("low-latency mode: moe_ep._low_latency was not built (it needs NVSHMEM: install "
                                "nvidia-nvshmem-cu12/cu13 or set NVSHMEM_DIR, then rebuild); use backend='torch'")
@@ -162,12 +165,15 @@ class LowLatencyRuntime:
         self.device = torch.device("cuda", torch.cuda.current_device())
         if timeout_s is None:
             timeout_s = settings().timeout_s
-        init_nvshmem(group, rank, num_ranks, self.device)
+        across_nodes = 0 < num_ranks_per_node < num_ranks
+        # Puts need NVSHMEM's device library: the P2P-only module cannot serve ranks across nodes.
+        init_nvshmem(group, rank, num_ranks, self.device, device_api=across_nodes)
         # NVSHMEM's symmetric allocation is collective with no timeout; a rank that never creates its
         # Buffer must fail the others here, through the process group's timeout, instead.
         dist.barrier(group=group, device_ids=[self.device.index])
         self._runtime = _ext().NvshmemRuntime(rank, num_ranks, num_rdma_bytes, timeout_s,
-                                              puts_only=_transport == "nvshmem_puts")
+                                              puts_only=_transport == "nvshmem_puts",
+                                              ranks_per_node=num_ranks_per_node if across_nodes else 0)
         self._in_flight: list[_ReceiveHook] = []  # pending receives, oldest first
         self._sizes: Optional[tuple[int, int, int]] = None
 

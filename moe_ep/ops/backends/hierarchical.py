@@ -158,7 +158,8 @@ class InternodePath:
     def takes(self, handle: Optional[tuple] = None) -> bool:
         """Whether this call runs the two legs (fresh dispatch: `hierarchical`; otherwise the handle's kind)."""
         two_legs = self.hierarchical if handle is None else len(handle) == len(InternodeDispatchHandle._fields)
-        self.last_path = "hierarchical" if two_legs else "flat"
+        if not two_legs:
+            self.last_path = "flat"
         return two_legs
 
     def destroy(self) -> None:
@@ -175,6 +176,7 @@ class InternodePath:
 
     def _to_rails(self, rows: torch.Tensor, to_node: torch.Tensor, from_nodes: list[int], config: Config) -> torch.Tensor:
         """Network leg: rows (node-major) to the rail rank of each node; returns the rows received."""
+        self.last_path = "hierarchical"
         send_counts = to_node.sum(0).tolist()
         self._count_network(send_counts, rows.size(1))
         return self.legs.rail(rows, send_counts, from_nodes, config)
@@ -301,6 +303,7 @@ class InternodePath:
         to_node = hdl.send_rdma_head >= 0
         partial_codec = self._codec(partials)
         rows = partial_codec.pack(partials)
+        self.last_path = "hierarchical"
         self._count_network(from_nodes, rows.size(1))
         node_partials = partial_codec.unpack(self.legs.rail(rows, from_nodes, to_node.sum(0).tolist(), request.config))
         dest_node, token = routing.send_order(to_node)
