@@ -14,6 +14,7 @@ import torch.distributed as dist
 from torch import nn
 
 from ..ops import Buffer
+from ..ops.topology import expected_ranks_per_node
 from ..ops.validation import check_tensor
 from .config import MoEConfig
 from .dispatcher import ExpertInput, MoETokenDispatcher
@@ -43,9 +44,11 @@ def shared_buffer(group: dist.ProcessGroup, config: MoEConfig, dtype: torch.dtyp
             config.low_latency_max_tokens, config.hidden_size, world, config.num_experts)
     else:
         hidden_bytes = config.hidden_size * max(dtype.itemsize, 2)
-        nvl_bytes = max(cfg.get_nvl_buffer_size_hint(hidden_bytes, world)
-                        for cfg in (Buffer.get_dispatch_config(world), Buffer.get_combine_config(world)))
-        rdma_bytes = 0
+        configs = (Buffer.get_dispatch_config(world), Buffer.get_combine_config(world))
+        nvl_bytes = max(cfg.get_nvl_buffer_size_hint(hidden_bytes, world) for cfg in configs)
+        # Across nodes the symmetric buffer selects the CUDA internode kernels (zero within one node).
+        ranks_per_node = expected_ranks_per_node(world)
+        rdma_bytes = max(cfg.get_rdma_buffer_size_hint(hidden_bytes, world, ranks_per_node) for cfg in configs)
     device = torch.cuda.current_device() if torch.cuda.is_available() else None
     key = (group, low_latency, backend, device)
     buffer = _BUFFERS.get(key)

@@ -73,6 +73,14 @@ def requested_num_ranks_per_node(value: Optional[int], num_ranks: int) -> Option
     return None if setting is None else check_num_ranks_per_node(setting, num_ranks, NUM_RANKS_PER_NODE_ENV)
 
 
+def expected_ranks_per_node(num_ranks: int) -> int:
+    """Ranks per node a Buffer of `num_ranks` ranks will use, as far as known before it learns the hosts:
+    the setting `MOE_EP_NUM_RANKS_PER_NODE`, else DeepEP's assumption of 8 GPUs per node (for sizing
+    buffers; the Buffer itself learns the hosts)."""
+    setting = requested_num_ranks_per_node(None, num_ranks)
+    return setting if setting is not None else min(num_ranks, NUM_MAX_NVL_PEERS)
+
+
 def host_id() -> bytes:
     """A fixed-size id of this process's host (a hash of its name)."""
     return hashlib.blake2b(socket.gethostname().encode(), digest_size=_HOST_ID_BYTES).digest()
