@@ -239,15 +239,15 @@ class Buffer:
 
     def _request(self, op: str, x: object, build: Callable[[], RequestT],
                  low_latency: bool = False) -> tuple[CommBackend, RequestT]:
-        """The backend for `x`'s device and the checked request `build` returns; if any rank's checks
-        failed, every rank raises (the failing rank its own error)."""
+        """The backend for `x`'s device and the checked request `build` returns, the operation started on
+        it; if any rank's checks failed, every rank raises (the failing rank its own error)."""
         tensor = x if isinstance(x, torch.Tensor) else torch.empty(0)
         backend = self._backend_for(tensor) if low_latency else self._normal_backend_for(tensor, op)
         with self.input_check(op, tensor.device):
             if low_latency:
                 self._require_low_latency(op)
             request = build()
-        backend.agree(op, request.agreed(), None, tensor.device)
+        backend.start(op, request.agreed())
         return backend, request
 
     def _scope(self, device: torch.device, previous_event: Optional[EventOverlap], async_finish: bool,
