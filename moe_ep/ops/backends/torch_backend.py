@@ -25,7 +25,8 @@ import torch.distributed as dist
 
 from .. import fp8, routing
 from ..handles import DispatchHandle, LowLatencyHandle
-from ..requests import CombineRequest, DispatchRequest, LowLatencyCombineRequest, LowLatencyDispatchRequest
+from ..requests import (CombineRequest, DispatchRequest, LowLatencyCombineRequest, LowLatencyDispatchRequest,
+                        Request)
 from ..routing import DispatchLayout
 from ..settings import settings
 from ..validation import PeerInputError
@@ -199,12 +200,12 @@ class TorchBackend(CommBackend):
                                    f"exited or stalled inside it, MOE_EP_TIMEOUT_S={settings().timeout_s:g} s): "
                                    f"{exc}") from exc
 
-    def start(self, op: str, fields: Mapping[str, int]) -> None:
+    def start(self, op: str, request: Request) -> None:
         # Checked in the operation's first exchange (`_agree`), which every path of an operation makes.
-        self._op, self._fields = op, fields
+        self._op, self._fields = op, request.agreed()
 
     def agree(self, op: str, fields: Mapping[str, int], local_error: Optional[Exception], device: torch.device) -> None:
-        self.start(op, fields)
+        self._op, self._fields = op, fields
         self._agree({}, local_error)
 
     def agree_started(self) -> None:
