@@ -2,10 +2,10 @@
 # One device call: build the extensions, run tests/gpu, run the benchmarks; logs and JSON under $OUT, a
 # short table printed last.
 #   bash scripts/gpu_check.sh [parts] [extra intranode-benchmark args...]
-#   parts: comma list of build,test,bench,ll,layer,internode,fp8gemm,probe,examples,decodediag (default:
-#     build,test,bench,ll,layer,fp8gemm on a machine with EP GPUs or more; build,test,fp8gemm on smaller ones,
-#     whose multi-rank tests put several ranks on a GPU); internode: bench_internode.py --backend cuda with
-#     virtual nodes (INTERNODE_ARGS);
+#   parts: comma list of build,test,bench,ll,layer,internode,fp8gemm,probe,examples,decodediag,overhead
+#     (default: build,test,bench,ll,layer,fp8gemm on a machine with EP GPUs or more; build,test,fp8gemm on
+#     smaller ones, whose multi-rank tests put several ranks on a GPU); internode: bench_internode.py
+#     --backend cuda with virtual nodes (INTERNODE_ARGS);
 #     test: every tests/gpu file on its own (its timeout from FILE_TIMEOUTS, else FILE_TIMEOUT seconds,
 #     then SIGINT so that pytest still reports failures and durations; one log), so a hang in one file
 #     costs only its own time; TESTS narrows the files, PYTEST_ARGS adds pytest options; the summary
@@ -18,6 +18,9 @@
 #     one GPU (FP8GEMM_TIMEOUT, FP8GEMM_ARGS: e.g. --profile);
 #     probe: benchmarks/nvlink_probe.cu (row copies between GPUs at once: push vs pull, and the dispatch's
 #     fan-out with tail publishing; no torch; PROBE_ARGS: rows row_bytes gpus, default 11000 14336 2);
+#     overhead: benchmarks/bench_overhead.py, whole calls with the ranks of worlds OVERHEAD_WORLDS (default
+#     2,4) sharing the GPUs (host time per call, call + sync, every kernel of a call), at 4096 tokens, hidden
+#     7168, top-8 of 256 experts (OVERHEAD_TIMEOUT, default 150 s; OVERHEAD_ARGS: e.g. --iters 30);
 #     examples: the DeepSeek-V3-style training on every GPU (its 2 ranks share the GPU on a one-GPU machine)
 #     and the accelerate fine-tuning on 2 GPUs
 #     (EXAMPLES_TIMEOUT each, output in examples.log, loss curve and metrics in files.tgz).
@@ -129,6 +132,15 @@ has internode && run_bench "internode (cuda)" "${INTERNODE_TIMEOUT:-120}" bench_
     --backend cuda ${INTERNODE_ARGS:---world 4 --ranks-per-node 2 --shape small}
 has fp8gemm && run_bench "FP8 grouped GEMM" "${FP8GEMM_TIMEOUT:-150}" bench_fp8_grouped_gemm.py \
     bench_fp8_grouped_gemm.json ${FP8GEMM_ARGS:-}
+if has overhead; then
+    run_bench "overhead (ranks sharing the GPUs)" "${OVERHEAD_TIMEOUT:-150}" bench_overhead.py bench_overhead.json \
+        --worlds "${OVERHEAD_WORLDS:-2,4}" --tokens 4096 --hidden 7168 --experts 256 --topk 8 --timeout 80 \
+        ${OVERHEAD_ARGS:-}
+    sed -i '/^USDT:/d' "$OUT/bench.log"  # the profiler's start and stop notes
+    echo "================ overhead table"
+    awk '/^whole Buffer calls/ {found = 1; block = ""} found {block = block $0 "\n"} END {printf "%s", block}' \
+        "$OUT/bench.log"
+fi
 
 if has probe; then
     start=$(date +%s)

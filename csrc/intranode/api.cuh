@@ -9,10 +9,10 @@
 
 namespace moe_ep::kernels {
 
-// is_token_in_rank [T, R], num_tokens_per_rank [R], num_tokens_per_expert [E] from topk_idx [T, k].
+// is_token_in_rank [T, R] and counts [R + E] (num_tokens_per_rank, then num_tokens_per_expert: one
+// zeroing) from topk_idx [T, k].
 cudaError_t launch_dispatch_layout(const int64_t* topk_idx, int num_tokens, int num_topk, int num_experts,
-                                   int num_ranks, bool* is_token_in_rank, int* num_tokens_per_rank,
-                                   int* num_tokens_per_expert, cudaStream_t stream);
+                                   int num_ranks, bool* is_token_in_rank, int* counts, cudaStream_t stream);
 
 struct NotifyArgs {
     const bool* is_token_in_rank;       // [T, R]

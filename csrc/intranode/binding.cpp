@@ -24,20 +24,14 @@ void launch_check(cudaError_t err, const char* what) {
     TORCH_CHECK(err == cudaSuccess, what, " failed: ", cudaGetErrorString(err));
 }
 
-int num_device_sms(int device) {
-    int sms = 0;
-    launch_check(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, device), "cudaDeviceGetAttribute");
-    return sms;
-}
-
 // Channels of a launch on `num_sms` SMs (kChannelsPerSmPair per SM pair, a block each); every block of
 // the grid must be resident at once.
 int channels_for(const NvlRuntime& rt, int64_t num_sms) {
     constexpr int max_sms = 2 * kNumMaxChannels / kChannelsPerSmPair;
     TORCH_CHECK_VALUE(num_sms >= 2 && num_sms <= max_sms && num_sms % 2 == 0,
                       "config.num_sms: expected an even number from 2 to ", max_sms, ", got ", num_sms);
-    TORCH_CHECK_VALUE(num_sms <= num_device_sms(rt.device()), "config.num_sms: ", num_sms, " exceeds the ",
-                      num_device_sms(rt.device()), " SMs of the device");
+    TORCH_CHECK_VALUE(num_sms <= rt.device_sms(), "config.num_sms: ", num_sms, " exceeds the ", rt.device_sms(),
+                      " SMs of the device");
     return static_cast<int>(num_sms / 2 * kChannelsPerSmPair);
 }
 
@@ -140,15 +134,14 @@ std::tuple<Tensor, Tensor, Tensor> get_dispatch_layout(const Tensor& topk_idx, i
     TORCH_CHECK(topk_idx.is_cuda() && topk_idx.scalar_type() == at::kLong && topk_idx.is_contiguous());
     const auto opts = topk_idx.options();
     const int64_t num_tokens = topk_idx.size(0);
-    Tensor per_rank = at::empty({num_ranks}, opts.dtype(at::kInt));
-    Tensor per_expert = at::empty({num_experts}, opts.dtype(at::kInt));
+    // Both counts in one allocation, zeroed at once: per rank, then per expert.
+    Tensor counts = at::empty({num_ranks + num_experts}, opts.dtype(at::kInt));
     Tensor in_rank = at::empty({num_tokens, num_ranks}, opts.dtype(at::kBool));
     launch_check(kernels::launch_dispatch_layout(topk_idx.data_ptr<int64_t>(), num_tokens, topk_idx.size(1),
                                                  num_experts, num_ranks, in_rank.data_ptr<bool>(),
-                                                 per_rank.data_ptr<int>(), per_expert.data_ptr<int>(),
-                                                 c10::cuda::getCurrentCUDAStream()),
+                                                 counts.data_ptr<int>(), c10::cuda::getCurrentCUDAStream()),
                  "get_dispatch_layout");
-    return {per_rank, per_expert, in_rank};
+    return {counts.narrow(0, 0, num_ranks), counts.narrow(0, num_ranks, num_experts), in_rank};
 }
 
 // Outputs of one dispatch: [W, ...] rows, padding filled on the device from the handle's counts.
@@ -247,9 +240,11 @@ py::tuple dispatch(NvlRuntime& rt, const Tensor& x, const optional<Tensor>& x_sc
 
     const auto stream = c10::cuda::getCurrentCUDAStream();
     const auto iopts = x.options().dtype(at::kInt);
-    Tensor channel_prefix = at::empty({R, C}, iopts);
-    Tensor rank_prefix = at::empty({R, R}, iopts);
-    Tensor recv_channel_prefix = at::empty({R, C}, iopts);
+    // The handle's three prefix matrices in one allocation.
+    Tensor prefixes = at::empty({R * C + R * R + R * C}, iopts);
+    Tensor channel_prefix = prefixes.narrow(0, 0, R * C).view({R, C});
+    Tensor rank_prefix = prefixes.narrow(0, R * C, R * R).view({R, R});
+    Tensor recv_channel_prefix = prefixes.narrow(0, R * C + R * R, R * C).view({R, C});
     kernels::NotifyArgs n{};
     n.is_token_in_rank = is_token_in_rank.data_ptr<bool>();
     n.num_tokens_per_rank = int_ptr(num_tokens_per_rank);

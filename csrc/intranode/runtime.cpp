@@ -32,6 +32,8 @@ NvlRuntime::NvlRuntime(int rank, int num_ranks, int64_t num_nvl_bytes, double ti
         throw std::invalid_argument("group: the CUDA backend serves 1 to 8 ranks inside one node, got " +
                                     std::to_string(num_ranks));
     cuda_check(cudaGetDevice(&device_), "cudaGetDevice");
+    cuda_check(cudaDeviceGetAttribute(&device_sms_, cudaDevAttrMultiProcessorCount, device_),
+               "cudaDeviceGetAttribute");
     cuda_check(cudaMalloc(&base_, data_bytes_ + kernels::ctrl::kBytes), "cudaMalloc(NVLink buffer)");
     cuda_check(cudaMemset(base_ + data_bytes_, 0, kernels::ctrl::kBytes), "cudaMemset");
     cuda_check(cudaIpcGetMemHandle(&ipc_handle_, base_), "cudaIpcGetMemHandle");

@@ -29,6 +29,8 @@ class NvlRuntime {
     int rank() const { return rank_; }
     int num_ranks() const { return num_ranks_; }
     int device() const { return device_; }
+    // SMs of the device (read once: every launch checks its grid against it).
+    int device_sms() const { return device_sms_; }
     int64_t data_bytes() const { return data_bytes_; }
     // Launch context with CommContext::pipeline_lag (Config.pipeline_lag, 0 for the kernels' defaults).
     kernels::CommContext comm(int pipeline_lag = 0) const;
@@ -57,7 +59,7 @@ class NvlRuntime {
     kernels::WorstTokensOverflow read_overflow() const;
     [[noreturn]] void raise_overflow(const kernels::WorstTokensOverflow& report);
 
-    int rank_, num_ranks_, device_ = -1;
+    int rank_, num_ranks_, device_ = -1, device_sms_ = 0;
     int64_t data_bytes_;
     double timeout_s_;
     uint8_t* base_ = nullptr;

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import contextlib
-from typing import Callable, Iterator, Optional, TypeVar, Union
+from typing import Callable, Iterator, NoReturn, Optional, TypeVar, Union
 
 import torch
 import torch.distributed as dist
@@ -237,25 +237,32 @@ class Buffer:
         try:
             yield
         except (TypeError, ValueError) as exc:
-            self._backend_for(torch.empty(0, device=device)).agree(op, {}, exc, device)  # raises `exc`
-            raise
+            self._refuse(op, device, exc)
+
+    def _refuse(self, op: str, device: torch.device, error: Exception) -> NoReturn:
+        """Raise this rank's input `error` once its peers know of it (`input_check`)."""
+        self._backend_for(torch.empty(0, device=device)).agree(op, {}, error, device)  # raises `error`
+        raise error
 
     def _request(self, op: str, x: object, build: Callable[[], RequestT],
                  low_latency: bool = False) -> tuple[CommBackend, RequestT]:
-        """The backend for `x`'s device and the checked request `build` returns; if any rank's checks
-        failed, every rank raises (the failing rank its own error)."""
+        """The backend for `x`'s device and the checked request `build` returns, the operation started on
+        it; if any rank's checks failed, every rank raises (the failing rank its own error)."""
         tensor = x if isinstance(x, torch.Tensor) else torch.empty(0)
         backend = self._backend_for(tensor) if low_latency else self._normal_backend_for(tensor, op)
-        with self.input_check(op, tensor.device):
+        try:  # `input_check`, without a context manager's cost on every call
             if low_latency:
                 self._require_low_latency(op)
             request = build()
-        backend.agree(op, request.agreed(), None, tensor.device)
+        except (TypeError, ValueError) as exc:
+            self._refuse(op, tensor.device, exc)
+        backend.start(op, request)
         return backend, request
 
     def _scope(self, device: torch.device, previous_event: Optional[EventOverlap], async_finish: bool,
-               allocate_on_comm_stream: bool) -> StreamScope:
-        return StreamScope(self._streams, device, previous_event, async_finish, allocate_on_comm_stream)
+               allocate_on_comm_stream: bool, inline_when_sync: bool = False) -> StreamScope:
+        return StreamScope(self._streams, device, previous_event, async_finish, allocate_on_comm_stream,
+                           inline_when_sync)
 
     def _require_low_latency(self, op: str) -> None:
         if not self.low_latency_mode:
@@ -286,7 +293,8 @@ class Buffer:
             check.check_num_experts(num_experts, self.group_size)
             check.check_topk_values("topk_idx", topk_idx, num_experts)
         backend = self._normal_backend_for(topk_idx, "get_dispatch_layout")
-        scope = self._scope(topk_idx.device, previous_event, async_finish, allocate_on_comm_stream)
+        scope = self._scope(topk_idx.device, previous_event, async_finish, allocate_on_comm_stream,
+                            inline_when_sync=True)
         with scope.run():
             layout = backend.get_dispatch_layout(topk_idx, num_experts)
         event = scope.finish([topk_idx], list(layout))
@@ -329,6 +337,9 @@ class Buffer:
             async_finish: do not make the current stream wait; wait for the returned event instead.
             allocate_on_comm_stream: outputs belong to the communication stream (needs
                 `previous_event` and `async_finish`).
+            Without `previous_event` and `async_finish` the work runs on the current stream: the
+            same order as the communication stream waiting for it and it for the communication
+            stream, without events.
 
         Returns `(recv_x, recv_topk_idx, recv_topk_weights, num_recv_tokens_per_expert_list, handle,
         event)`: `recv_x [N, H]` (`(data, scales)` for FP8) with rows source-rank-major, then in the
@@ -350,7 +361,8 @@ class Buffer:
             return request
 
         backend, request = self._request(op, x[0] if isinstance(x, tuple) and x else x, build)
-        scope = self._scope(request.x.device, previous_event, async_finish, allocate_on_comm_stream)
+        scope = self._scope(request.x.device, previous_event, async_finish, allocate_on_comm_stream,
+                            inline_when_sync=True)
         fp8 = request.x_scales is not None
         if request.cached:
             with scope.run():
@@ -393,7 +405,8 @@ class Buffer:
         config = config if config is not None else self.get_combine_config(self.group_size)
         backend, request = self._request("combine", x, lambda: check.combine_request(
             x, handle, topk_weights, bias, config, self.group_size))
-        scope = self._scope(request.x.device, previous_event, async_finish, allocate_on_comm_stream)
+        scope = self._scope(request.x.device, previous_event, async_finish, allocate_on_comm_stream,
+                            inline_when_sync=True)
         with scope.run():
             combined_x, combined_weights = backend.combine(request)
         return combined_x, combined_weights, scope.finish(request.inputs(), [combined_x, combined_weights])

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 from dataclasses import KW_ONLY, dataclass
 
 from .constants import (BUFFER_ALIGNMENT, CHANNELS_PER_SM_PAIR, FP8_BLOCK, NUM_MAX_NODES, NUM_MAX_NVL_PEERS,
@@ -116,6 +117,7 @@ def internode_rdma_bytes(config: Config, team: int, row_bytes: int) -> int:
             + 2 * ring_bytes)
 
 
+@functools.cache  # a frozen Config, shared: calls without a config build none
 def default_dispatch_config(num_ranks: int, num_sms: int) -> Config:
     """Dispatch settings for a world size, measured with benchmarks/bench_intranode.py on H200s.
 
@@ -128,6 +130,7 @@ def default_dispatch_config(num_ranks: int, num_sms: int) -> Config:
     return Config(num_sms, 16 if num_ranks <= 4 else 8, 256, 8, 128)
 
 
+@functools.cache  # a frozen Config, shared: calls without a config build none
 def default_combine_config(num_ranks: int, num_sms: int) -> Config:
     """Combine settings for a world size, measured with benchmarks/bench_intranode.py on 4 x H200
     (whole calls): publishing every 4 rows was best (611-635 us at 20 SMs, 642-647 us at 24), 8-32

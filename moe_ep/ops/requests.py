@@ -8,7 +8,7 @@ slots, `R` ranks, `E` experts).
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
-from dataclasses import dataclass, fields
+from dataclasses import dataclass
 from typing import Optional
 
 import torch
@@ -26,7 +26,7 @@ class Request(ABC):
 
     def inputs(self) -> list[object]:
         """Every field: the tensors among them (handles included) are the operation's inputs."""
-        return [getattr(self, field.name) for field in fields(self)]
+        return list(vars(self).values())  # a dataclass's fields, in order (cheaper than `fields()`)
 
     @abstractmethod
     def agreed(self) -> dict[str, int]:

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import contextlib
-from typing import Iterator, Optional, Sequence
+from typing import ContextManager, Optional, Sequence
 
 import torch
 
@@ -24,10 +24,16 @@ class CommStreams:
 
 
 class StreamScope:
-    """Work inside `run` goes to the comm stream after `previous_event` (or the current stream).
+    """Where one Buffer call's work runs, with DeepEP's event semantics.
 
-    `finish(outputs)` records the completion event, keeps inputs and outputs alive for the stream
-    that uses them, and makes the current stream wait unless `async_finish`.
+    Work inside `run` goes to the comm stream after `previous_event` (or the current stream). With
+    `inline_when_sync`, a call that waits for no event and does not finish asynchronously runs on the
+    current stream instead: the comm stream would wait for everything queued on the current stream and
+    the current stream for the comm stream right after, the same order as running in line, which
+    needs no event, stream switch or stream record.
+
+    `finish(inputs, outputs)` records the completion event, keeps inputs and outputs alive for the
+    stream that uses them, and makes the current stream wait unless `async_finish`.
     """
 
     def __init__(
@@ -37,41 +43,44 @@ class StreamScope:
         previous_event: Optional[EventOverlap],
         async_finish: bool,
         allocate_on_comm_stream: bool,
+        inline_when_sync: bool = False,
     ) -> None:
         if allocate_on_comm_stream and (previous_event is None or not async_finish):
             raise ValueError("allocate_on_comm_stream: requires previous_event and async_finish=True")
-        self.cuda = device.type == "cuda"
         self.async_finish = async_finish
         self.allocate_on_comm_stream = allocate_on_comm_stream
-        if self.cuda:
+        waits = previous_event is not None and previous_event.event is not None
+        inline = inline_when_sync and not waits and not async_finish
+        self.on_comm_stream = device.type == "cuda" and not inline
+        if self.on_comm_stream:
             self.compute = torch.cuda.current_stream(device)
             self.comm = streams.get(device)
-            if previous_event is not None and previous_event.event is not None:
+            if waits:
                 self.comm.wait_event(previous_event.event)
             else:
                 self.comm.wait_stream(self.compute)
 
-    @contextlib.contextmanager
-    def run(self) -> Iterator[None]:
-        if not self.cuda:
-            yield
-            return
-        with torch.cuda.stream(self.comm):
-            yield
+    def run(self) -> ContextManager[object]:
+        """The context the call's work runs in: the comm stream, or where the caller is."""
+        return torch.cuda.stream(self.comm) if self.on_comm_stream else contextlib.nullcontext()
 
     def finish(self, inputs: Sequence[object], outputs: Sequence[object]) -> EventOverlap:
-        if not self.cuda:
+        if not self.on_comm_stream:
+            return EventOverlap()
+        event = torch.cuda.Event()
+        event.record(self.comm)
+        if not self.async_finish:
+            # Nothing queued on the current stream from now on runs before the comm stream's work, so
+            # the inputs need no record; the outputs, allocated on the comm stream, are used here.
+            for tensor in _tensors(outputs):
+                tensor.record_stream(self.compute)
+            self.compute.wait_event(event)
             return EventOverlap()
         for tensor in _tensors(inputs):
             tensor.record_stream(self.comm)
         if not self.allocate_on_comm_stream:
             for tensor in _tensors(outputs):
                 tensor.record_stream(self.compute)
-        event = torch.cuda.Event()
-        event.record(self.comm)
-        if not self.async_finish:
-            self.compute.wait_event(event)
-            return EventOverlap()
         return EventOverlap(event, tuple(_tensors(inputs)) + tuple(_tensors(outputs)))
 
 

@@ -49,14 +49,19 @@ def check_tensor(
     contiguous: bool = False,
 ) -> torch.Tensor:
     """Check type, dtype, shape (None entries match any size), device and contiguity of one tensor."""
+    # Plain comparisons and loops: this runs several times in every call.
     if not isinstance(tensor, torch.Tensor):
         raise TypeError(f"{name}: expected a torch.Tensor, got {type(tensor).__name__}")
-    if dtype is not None:
+    if dtype is not None and tensor.dtype is not dtype and (isinstance(dtype, torch.dtype) or tensor.dtype not in dtype):
         allowed = (dtype,) if isinstance(dtype, torch.dtype) else tuple(dtype)
-        if tensor.dtype not in allowed:
-            raise TypeError(f"{name}: expected dtype {_fmt_dtypes(allowed)}, got {tensor.dtype}")
+        raise TypeError(f"{name}: expected dtype {_fmt_dtypes(allowed)}, got {tensor.dtype}")
     if shape is not None:
-        if tensor.dim() != len(shape) or any(want is not None and want != got for want, got in zip(shape, tensor.shape)):
+        sizes = tensor.shape
+        fits = len(sizes) == len(shape)
+        for want, got in zip(shape, sizes):
+            if want is not None and want != got:
+                fits = False
+        if not fits:
             wanted = "[" + ", ".join("*" if s is None else str(s) for s in shape) + "]"
             raise ValueError(f"{name}: expected shape {wanted}, got {list(tensor.shape)}")
     if device is not None and tensor.device != device:

@@ -304,6 +304,39 @@ def test_num_worst_tokens_dispatch_captures_in_cuda_graph(gpu_pool) -> None:
     gpu_pool(2).run(_graph_captured_dispatch, timeout=120)
 
 
+def _graph_captured_buffer_calls(rank: int, world: int) -> None:
+    """Whole Buffer calls, front end included, in one CUDA graph: a dispatch with num_worst_tokens (no host
+    wait), a cached dispatch and a combine with its handle; the replay gives the eager calls' outputs."""
+    c = Case("graph_buffer_calls", hidden=512, num_worst_extra=5)
+    _, cuda_buf = _buffers(dist.group.WORLD)
+    x, topk_idx, topk_weights, num_experts = _inputs(c, rank, world, 23)
+    num_worst = _num_worst_tokens(c, topk_idx, num_experts, world)
+    config = moe_ep.Config(c.config[0], c.config[1], c.config[2], 6, 128)
+    per_rank, _, per_expert, in_rank, _ = cuda_buf.get_dispatch_layout(topk_idx, num_experts)
+
+    def calls() -> tuple[torch.Tensor, ...]:
+        recv_x, recv_idx, recv_w, _, handle, _ = cuda_buf.dispatch(
+            x, num_tokens_per_rank=per_rank, is_token_in_rank=in_rank, num_tokens_per_expert=per_expert,
+            topk_idx=topk_idx, topk_weights=topk_weights, num_worst_tokens=num_worst, config=config)
+        cached = cuda_buf.dispatch(x * 2, handle=handle, config=config)[0]
+        combined, combined_w, _ = cuda_buf.combine(recv_x, handle, topk_weights=recv_w, config=config)
+        return recv_x, recv_idx, recv_w, cached, combined, combined_w
+
+    eager = calls()
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph, capture_error_mode="thread_local"):
+        captured = calls()
+    graph.replay()
+    torch.cuda.synchronize()
+    _same(captured, eager, "graph replay")
+    assert bool((eager[1] >= 0).any()), "no token was routed here: the case moves nothing"
+
+
+def test_whole_buffer_calls_capture_in_cuda_graph(gpu_pool) -> None:
+    gpu_pool(2).run(_graph_captured_buffer_calls, timeout=120)
+
+
 def _limit(scenario: str, rank: int, world: int, fits: int) -> int:
     """num_worst_tokens of `rank`: 1 is too small for every rank (each receives far more rows)."""
     if scenario == "every_rank_too_small":

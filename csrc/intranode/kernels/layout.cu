@@ -45,16 +45,14 @@ __global__ void __launch_bounds__(kLayoutThreads) dispatch_layout_kernel(const i
 }  // namespace
 
 cudaError_t launch_dispatch_layout(const int64_t* topk_idx, int num_tokens, int num_topk, int num_experts,
-                                   int num_ranks, bool* is_token_in_rank, int* num_tokens_per_rank,
-                                   int* num_tokens_per_expert, cudaStream_t stream) {
-    cudaError_t err = cudaMemsetAsync(num_tokens_per_rank, 0, sizeof(int) * num_ranks, stream);
-    if (err == cudaSuccess) err = cudaMemsetAsync(num_tokens_per_expert, 0, sizeof(int) * num_experts, stream);
+                                   int num_ranks, bool* is_token_in_rank, int* counts, cudaStream_t stream) {
+    const cudaError_t err = cudaMemsetAsync(counts, 0, sizeof(int) * (num_ranks + num_experts), stream);
     if (err != cudaSuccess || num_tokens == 0) return err;
     const size_t smem = sizeof(int) * (num_experts + num_ranks);
     const int blocks = (num_tokens + kLayoutThreads - 1) / kLayoutThreads;
     dispatch_layout_kernel<<<blocks, kLayoutThreads, smem, stream>>>(topk_idx, num_tokens, num_topk, num_experts,
-                                                                      num_ranks, is_token_in_rank,
-                                                                      num_tokens_per_rank, num_tokens_per_expert);
+                                                                      num_ranks, is_token_in_rank, counts,
+                                                                      counts + num_ranks);
     return cudaGetLastError();
 }
 

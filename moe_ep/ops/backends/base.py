@@ -14,7 +14,7 @@ import torch
 import torch.distributed as dist
 
 from ..handles import DispatchHandle, LowLatencyHandle
-from ..requests import CombineRequest, DispatchRequest, LowLatencyCombineRequest, LowLatencyDispatchRequest
+from ..requests import CombineRequest, DispatchRequest, LowLatencyCombineRequest, LowLatencyDispatchRequest, Request
 from ..routing import DispatchLayout
 
 RecvHook = Callable[[], None]
@@ -50,6 +50,11 @@ class CommBackend(ABC):
     def agree(self, op: str, fields: Mapping[str, int], local_error: Optional[Exception], device: torch.device) -> None:
         """Make every rank fail together when any rank rejected its input or the ranks disagree on a
         setting in `fields`; re-raise `local_error` on the rank that found it."""
+
+    def start(self, op: str, request: Request) -> None:
+        """Begin `op` with its checked `request`, whose settings (`request.agreed()`) every rank must
+        share: a backend that exchanges counts checks them in that exchange (as `agree` would, without
+        an exchange of their own); by default nothing is checked."""
 
     @abstractmethod
     def get_dispatch_layout(self, topk_idx: torch.Tensor, num_experts: int) -> DispatchLayout: ...

@@ -257,6 +257,7 @@ class InternodePath:
                               recv_tokens_per_expert(expert_counts, request, me, num_local), handle)
 
     def cached_dispatch(self, request: DispatchRequest) -> tuple[torch.Tensor, Optional[torch.Tensor]]:
+        self.backend.agree_started()
         x, x_scales = request.x, request.x_scales
         hdl = InternodeDispatchHandle(*request.handle)
         to_node = hdl.send_rdma_head >= 0
@@ -273,6 +274,7 @@ class InternodePath:
         return _pad_rows(received[0], num_rows, 0), recv_scales
 
     def combine(self, request: CombineRequest) -> tuple[torch.Tensor, Optional[torch.Tensor]]:
+        self.backend.agree_started()
         x, topk_weights, bias_0, bias_1 = request.x, request.topk_weights, request.bias_0, request.bias_1
         hdl = InternodeDispatchHandle(*request.handle)
         topo, device = self.topology, x.device

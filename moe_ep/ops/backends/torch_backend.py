@@ -1,15 +1,16 @@
 """Pure-PyTorch backend over `torch.distributed` tensor collectives (gloo on CPU, NCCL on GPU).
 
 It is the correctness oracle for the CUDA kernels and a real fallback for training: every operation
-is vectorized and moves each payload with one `all_to_all_single` of packed byte rows. Receive sizes
-are learned from a small `all_gather` of counts, so calls synchronize with the host.
+is vectorized and moves each payload with one `all_to_all_single` of packed byte rows, after one
+exchange of counts, so calls synchronize with the host.
 
 Nothing waits for a peer longer than `MOE_EP_TIMEOUT_S`, and no collective receives a size it did not
-expect (gloo aborts the process then, beyond any `try`): every operation starts with an agreement
-over the group's store (`agreement.py`: settings, input errors, the ranks that did not arrive), and
-the sizes of every exchange are either derived from counts the senders published (dispatch) or
-agreed before it (cached dispatch, combine, low-latency combine, whose sizes come from a handle or a
-top-k that a rank may have mixed up).
+expect (gloo aborts the process then, beyond any `try`). An operation's exchange of counts goes
+through the group's store (`agreement.py`) and carries its agreement with it: input errors, the
+settings every rank must share, the ranks that did not arrive, and the counts the data exchange's
+sizes come from: the senders' (dispatch) or both sides' (cached dispatch, combine, low-latency
+combine, whose sizes come from a handle or a top-k that a rank may have mixed up), compared before
+any data moves. So an operation costs one exchange of counts and its data collective, nothing more.
 """
 
 from __future__ import annotations
@@ -24,13 +25,13 @@ import torch.distributed as dist
 
 from .. import fp8, routing
 from ..handles import DispatchHandle, LowLatencyHandle
-from ..requests import CombineRequest, DispatchRequest, LowLatencyCombineRequest, LowLatencyDispatchRequest
+from ..requests import (CombineRequest, DispatchRequest, LowLatencyCombineRequest, LowLatencyDispatchRequest,
+                        Request)
 from ..routing import DispatchLayout
 from ..settings import settings
 from ..validation import PeerInputError
 from .agreement import Agreement, PeerTimeoutError
 from .base import CommBackend, DispatchResult, LowLatencyDispatchResult, RecvHook
-from .collectives import all_gather_into
 
 if TYPE_CHECKING:
     from .hierarchical import InternodePath
@@ -87,7 +88,8 @@ def rank_handle(send_matrix: torch.Tensor, channel_prefix: torch.Tensor, sender_
     return DispatchHandle(
         rank_prefix_matrix=rank_prefix,
         channel_prefix_matrix=channel_prefix.to(device),
-        recv_channel_prefix_matrix=routing.recv_channel_prefix_matrix(rank_prefix, sender_channel_prefix, rank),
+        recv_channel_prefix_matrix=routing.recv_channel_prefix_matrix(rank_prefix, sender_channel_prefix.to(device),
+                                                                      rank),
         recv_src_idx=recv_src_idx,
         is_token_in_rank=is_token_in_rank,
         send_head=routing.send_head(is_token_in_rank),
@@ -175,13 +177,21 @@ class TorchBackend(CommBackend):
         # NCCL's own watchdog bounds its waits (the group's timeout); gloo's waits take ours.
         self._timed_waits = dist.get_backend(group) != "nccl"
         self._op = "agree"  # the operation in progress, for the errors of its exchanges
+        self._fields: Mapping[str, int] = {}  # its settings, until its first exchange carries them
 
     # ------------------------------------------------------------------ collectives
 
+    def _gather_counts(self, row: torch.Tensor) -> torch.Tensor:
+        """Every rank's integer `row [n]` as a CPU int64 `[R, n]`, exchanged with the operation's agreement."""
+        records = self._agree({"row": row.tolist()})
+        lengths = [len(r["row"]) for r in records]
+        if len(set(lengths)) > 1:
+            raise PeerInputError(f"{self._op}: the ranks exchange counts of different lengths {lengths} (rank order)")
+        return torch.tensor([r["row"] for r in records], dtype=torch.int64).view(self.num_ranks, -1)
+
     def _all_gather_rows(self, row: torch.Tensor) -> torch.Tensor:
-        out = torch.empty(self.num_ranks * row.numel(), dtype=row.dtype, device=row.device)
-        self._wait(all_gather_into(out, row.contiguous(), self.group, async_op=True))
-        return out.view(self.num_ranks, -1)
+        """`_gather_counts` (int64) on `row`'s device."""
+        return self._gather_counts(row).to(row.device)
 
     def _all_to_all(
         self, send: torch.Tensor, send_counts: list[int], recv_counts: list[int], async_op: bool = False
@@ -206,10 +216,24 @@ class TorchBackend(CommBackend):
                                    f"exited or stalled inside it, MOE_EP_TIMEOUT_S={settings().timeout_s:g} s): "
                                    f"{exc}") from exc
 
+    def start(self, op: str, request: Request) -> None:
+        # Checked in the operation's first exchange (`_agree`), which every path of an operation makes.
+        self._op, self._fields = op, request.agreed()
+
     def agree(self, op: str, fields: Mapping[str, int], local_error: Optional[Exception], device: torch.device) -> None:
-        self._op = op
+        self._op, self._fields = op, fields
+        self._agree({}, local_error)
+
+    def agree_started(self) -> None:
+        """The started operation's agreement on its own, for a path with no counts to exchange."""
+        self._agree({})
+
+    def _agree(self, counts: Mapping[str, list[int]], local_error: Optional[Exception] = None) -> list[dict]:
+        """The operation's exchange: every rank's record of `counts` (in rank order) once no rank rejected
+        its input, every rank runs the same operation and agrees on the settings it started with."""
+        op, fields, self._fields = self._op, self._fields, {}
         if local_error is None:
-            record = {"fields": list(fields.values())}
+            record = {"fields": list(fields.values()), **counts}
         else:
             record = {"error": f"{type(local_error).__name__}: {local_error}"[:_QUOTED_ERROR_CHARS]}
         records = self._agreement.exchange(op, record)
@@ -226,12 +250,14 @@ class TorchBackend(CommBackend):
             per_rank = [r["fields"][column] for r in records]
             if len(set(per_rank)) > 1:
                 raise PeerInputError(f"{op}: ranks disagree on {name}: {per_rank} (rank order)")
+        return records
 
     def _agree_sizes(self, send_counts: list[int], recv_counts: list[int], cause: str) -> None:
-        """Before an exchange whose sizes come from this rank's own state (a handle, a top-k): check
-        that every rank expects the rows its peers will send, so that the collective never receives a
-        size it did not expect. `cause` names the argument a mismatch comes from."""
-        records = self._agreement.exchange(self._op, {"send": send_counts, "recv": recv_counts})
+        """Before an exchange whose sizes come from this rank's own state (a handle, a top-k): check, in
+        the operation's agreement, that every rank expects the rows its peers will send, so that the
+        collective never receives a size it did not expect. `cause` names the argument a mismatch comes
+        from."""
+        records = self._agree({"send": send_counts, "recv": recv_counts})
         wrong = [(src, dst, records[src]["send"][dst], records[dst]["recv"][src])
                  for src in range(self.num_ranks) for dst in range(self.num_ranks)
                  if records[src]["send"][dst] != records[dst]["recv"][src]]
@@ -256,16 +282,17 @@ class TorchBackend(CommBackend):
         num_channels = request.config.num_channels
         channel_prefix = routing.channel_prefix_matrix(is_token_in_rank, num_channels)
 
-        # Notify: every rank learns all send counts, expert counts, channel prefixes and receive bounds.
-        # The send counts are those of the rows this rank packs (`num_tokens_per_rank` equals them when
-        # value checks are on), so the exchange's sizes always match its data.
+        # Notify: every rank learns all send counts, expert counts, channel prefixes and receive bounds
+        # (on the host, one copy from the device). The send counts are those of the rows this rank packs
+        # (`num_tokens_per_rank` equals them when value checks are on), so the exchange's sizes always
+        # match its data.
         header = torch.cat([
             is_token_in_rank.sum(0, dtype=torch.int64).to(device),
             request.num_tokens_per_expert.to(device=device, dtype=torch.int64),
             channel_prefix.to(device=device, dtype=torch.int64).reshape(-1),
             torch.tensor([num_worst_tokens], dtype=torch.int64, device=device),
         ])
-        table = self._all_gather_rows(header)
+        table = self._gather_counts(header)
         send_matrix = table[:, :num_ranks]
         expert_counts = table[:, num_ranks:num_ranks + num_experts]
         sender_channel_prefix = table[:, num_ranks + num_experts:-1].view(num_ranks, num_ranks, num_channels)[:, rank]
@@ -472,8 +499,9 @@ def _pad_rows(tensor: torch.Tensor, num_rows: int, fill: float) -> torch.Tensor:
 
 
 def _handle_counts(handle: DispatchHandle, rank: int) -> tuple[list[int], list[int]]:
-    """Tokens this rank sends to each rank, and receives from each rank, under a dispatch handle."""
-    prefix = handle.rank_prefix_matrix.long()
+    """Tokens this rank sends to each rank, and receives from each rank, under a dispatch handle (one copy
+    from the device)."""
+    prefix = handle.rank_prefix_matrix.to("cpu", torch.int64)
     counts = prefix.clone()
     counts[1:] -= prefix[:-1]
     return counts[rank].tolist(), counts[:, rank].tolist()

@@ -1,0 +1,339 @@
+"""What a whole Buffer call costs besides its data kernel, measured on one GPU that the ranks share.
+
+Each world's ranks share the machine's GPUs (on one GPU, all of them) in a gloo process group, as the
+tests' shared-GPU pools do, so the data kernels take turns on the GPU and their times mean nothing
+(nor does waiting for them). What is real there: the host's time per call and the kernels besides
+the data's (layout, notify, ring preparation, padding, memsets). Per operation:
+  * host: CPU wall time from the call to its return, no synchronization: what a program waits before
+    it can go on (a dispatch without num_worst_tokens includes the host's wait for its receive counts,
+    which on a shared GPU waits for the peers' turns too); the slowest rank's median;
+  * call+sync: the call followed by torch.cuda.synchronize(), CPU wall time; the slowest rank's median;
+  * every kernel, memset and copy of the call, from a torch profiler trace (rank 0, medians): its GPU
+    time, when it started on the GPU and when the host launched it, counted from the call's start
+    (under the profiler, whose host is slower); the GPU time the call's work covers, and when its last
+    GPU work ended.
+Operations: get_dispatch_layout; dispatch BF16 and FP8, each uncached (the host waits for the counts),
+uncached with num_worst_tokens (it does not) and cached (the handle passed); combine BF16;
+low-latency dispatch (FP8) and combine, paced by the host (no hook). Printed as one table, saved
+as JSON under --out. Value checks are off (MOE_EP_CHECK_VALUES=0), as DeepEP has none.
+
+    python benchmarks/bench_overhead.py --out overhead.json [--worlds 2,4] [--tokens 4096 --hidden 7168 ...]
+    python benchmarks/bench_overhead.py --backend torch --tiny --worlds 2 --out /tmp/overhead.json   # CPU
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import os
+import queue
+import statistics
+import tempfile
+import time
+import traceback
+from typing import Any, Callable, Optional
+
+os.environ.setdefault("MOE_EP_CHECK_VALUES", "0")
+
+import torch  # noqa: E402
+import torch.distributed as dist  # noqa: E402
+import torch.multiprocessing as mp  # noqa: E402
+
+import call_trace  # noqa: E402
+import moe_ep  # noqa: E402
+from moe_ep.launch import free_port  # noqa: E402
+from moe_ep.ops import fp8  # noqa: E402
+
+_MARK = "moe_ep_overhead_call_"
+# The shapes of `--tiny`: a CPU smoke run of every operation.
+_TINY = dict(tokens=32, hidden=128, experts=16, topk=4, ll_tokens=16, warmup=1, iters=3, profile_iters=2,
+             nvl_bytes=64 << 20)
+
+Op = tuple[str, Callable[[], object], Optional[Callable[[], None]]]  # name, call, untimed work before each
+
+
+class Workload:
+    """One rank's inputs, Buffers and the outputs the cached and combine calls start from."""
+
+    def __init__(self, rank: int, world: int, args: argparse.Namespace, device: torch.device) -> None:
+        self.world, self.num_experts = world, args.experts // world * world
+        gen = torch.Generator().manual_seed(17 + rank)
+        self.x = torch.randn(args.tokens, args.hidden, generator=gen).to(torch.bfloat16).to(device)
+        self.topk_idx = torch.rand(args.tokens, self.num_experts, generator=gen).topk(args.topk, dim=1).indices.to(device)
+        self.topk_weights = torch.rand(args.tokens, args.topk, generator=gen).to(device)
+        self.x_fp8 = fp8.per_token_cast_to_fp8(self.x.float())
+        self.ll_x = torch.randn(args.ll_tokens, args.hidden, generator=gen).to(torch.bfloat16).to(device)
+        self.ll_topk_idx = torch.rand(args.ll_tokens, self.num_experts, generator=gen).topk(args.topk, dim=1).indices
+        self.ll_topk_idx = self.ll_topk_idx.to(device)
+        self.ll_topk_weights = torch.rand(args.ll_tokens, args.topk, generator=gen).to(device)
+        self.ll_tokens = args.ll_tokens
+        group = dist.group.WORLD
+        nvl_bytes = args.nvl_bytes if args.backend == "cuda" else 0
+        self.normal = moe_ep.Buffer(group, nvl_bytes, backend=args.backend)
+        self.low_latency: Optional[moe_ep.Buffer] = None
+        if not args.skip_ll and (args.backend == "torch" or _low_latency_built()):
+            ll_bytes = moe_ep.Buffer.get_low_latency_rdma_size_hint(args.ll_tokens, args.hidden, world, self.num_experts)
+            self.low_latency = moe_ep.Buffer(group, 0, ll_bytes, low_latency_mode=True, backend=args.backend)
+        self.layout = self.normal.get_dispatch_layout(self.topk_idx, self.num_experts)[:4]
+        self.num_worst_tokens = _most_received(self.layout[0], world)
+        recv_x, _, self.recv_weights, _, self.handle, _ = self.dispatch(self.x)
+        self.recv_x = recv_x
+        self.ll_handle = None
+        if self.low_latency is not None:
+            num_local = self.num_experts // world
+            self.ll_expert_out = torch.empty(num_local, world * args.ll_tokens, args.hidden, dtype=torch.bfloat16,
+                                             device=device).normal_()
+
+    def dispatch(self, x: object, num_worst_tokens: int = 0) -> tuple:
+        per_rank, _, per_expert, in_rank = self.layout
+        return self.normal.dispatch(x, num_tokens_per_rank=per_rank, is_token_in_rank=in_rank,
+                                    num_tokens_per_expert=per_expert, topk_idx=self.topk_idx,
+                                    topk_weights=self.topk_weights, num_worst_tokens=num_worst_tokens)
+
+    def low_latency_dispatch(self) -> tuple:
+        assert self.low_latency is not None
+        return self.low_latency.low_latency_dispatch(self.ll_x, self.ll_topk_idx, self.ll_tokens, self.num_experts,
+                                                     use_fp8=True)
+
+    def refresh_low_latency_handle(self) -> None:
+        self.ll_handle = self.low_latency_dispatch()[2]
+
+    def low_latency_combine(self) -> tuple:
+        assert self.low_latency is not None and self.ll_handle is not None
+        return self.low_latency.low_latency_combine(self.ll_expert_out, self.ll_topk_idx, self.ll_topk_weights,
+                                                    self.ll_handle)
+
+    def ops(self) -> list[Op]:
+        w = self
+        ops: list[Op] = [("layout", lambda: w.normal.get_dispatch_layout(w.topk_idx, w.num_experts), None)]
+        for label, x in (("bf16", w.x), ("fp8", w.x_fp8)):
+            ops += [(f"dispatch {label}", lambda x=x: w.dispatch(x), None),
+                    (f"dispatch {label} worst", lambda x=x: w.dispatch(x, w.num_worst_tokens), None),
+                    (f"cached {label}", lambda x=x: w.normal.dispatch(x, handle=w.handle), None)]
+        ops.append(("combine bf16", lambda: w.normal.combine(w.recv_x, w.handle, topk_weights=w.recv_weights), None))
+        if w.low_latency is not None:
+            ops += [("ll dispatch fp8", w.low_latency_dispatch, None),
+                    ("ll combine", w.low_latency_combine, w.refresh_low_latency_handle)]
+        return ops
+
+
+def _low_latency_built() -> bool:
+    from moe_ep.ops.backends.cuda_low_latency import low_latency_available
+
+    return low_latency_available()
+
+
+def _most_received(num_tokens_per_rank: torch.Tensor, world: int) -> int:
+    """The most rows any rank receives (every rank's num_worst_tokens: no padding beyond it)."""
+    mine = num_tokens_per_rank.to("cpu", torch.int64)
+    every = [torch.empty_like(mine) for _ in range(world)]
+    dist.all_gather(every, mine)
+    return int(torch.stack(every).sum(0).max())
+
+
+class Timer:
+    """Runs one operation on every rank in step and times it (see the module docstring)."""
+
+    def __init__(self, args: argparse.Namespace, cuda: bool) -> None:
+        self.args, self.cuda = args, cuda
+
+    def settle(self) -> None:
+        if self.cuda:
+            torch.cuda.synchronize()
+        dist.barrier()
+
+    def _ready(self, before: Optional[Callable[[], None]]) -> None:
+        if before is not None:
+            before()
+        self.settle()
+
+    def _wall_us(self, fn: Callable[[], object], before: Optional[Callable[[], None]], sync: bool) -> list[float]:
+        times = []
+        for _ in range(self.args.iters):
+            self._ready(before)
+            started = time.perf_counter_ns()
+            fn()
+            if sync and self.cuda:
+                torch.cuda.synchronize()
+            times.append((time.perf_counter_ns() - started) / 1e3)
+        return times
+
+    def _trace(self, fn: Callable[[], object], before: Optional[Callable[[], None]]) -> dict[str, Any]:
+        from torch.profiler import ProfilerActivity, profile, record_function
+
+        activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if self.cuda else [])
+        with profile(activities=activities) as prof:
+            for i in range(self.args.profile_iters + 1):
+                self._ready(before)
+                with record_function(f"{_MARK}{i}"):
+                    fn()
+            self.settle()
+        with tempfile.TemporaryDirectory() as folder:
+            path = os.path.join(folder, "trace.json")
+            prof.export_chrome_trace(path)
+            with open(path) as f:
+                trace = json.load(f)
+        return call_trace.summarize(call_trace.calls_in_trace(trace, _MARK)[1:])  # the first starts the profiler
+
+    def measure(self, fn: Callable[[], object], before: Optional[Callable[[], None]]) -> dict[str, Any]:
+        for _ in range(self.args.warmup):
+            self._ready(before)
+            fn()
+        host = self._wall_us(fn, before, sync=False)
+        synced = self._wall_us(fn, before, sync=True)
+        return {"host_us": _stats(host), "sync_us": _stats(synced), "trace": self._trace(fn, before)}
+
+
+def _stats(times: list[float]) -> dict[str, float]:
+    return {"median": statistics.median(times), "min": min(times), "max": max(times)}
+
+
+def _measure_world(rank: int, world: int, port: int, args: argparse.Namespace) -> Optional[dict]:
+    cuda = args.backend == "cuda"
+    if cuda:
+        torch.cuda.set_device(rank % torch.cuda.device_count())
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world,
+                            timeout=datetime.timedelta(seconds=args.timeout))
+    device = torch.device("cuda", torch.cuda.current_device()) if cuda else torch.device("cpu")
+    moe_ep.Buffer.set_num_sms(args.num_sms)
+    work = Workload(rank, world, args, device)
+    timer = Timer(args, cuda)
+    mine = {}
+    for name, fn, before in work.ops():
+        mine[name] = timer.measure(fn, before)
+    every: list[Optional[dict]] = [None] * world
+    dist.all_gather_object(every, {name: r["host_us"]["median"] for name, r in mine.items()} |
+                           {f"{name} sync": r["sync_us"]["median"] for name, r in mine.items()})
+    dist.barrier()
+    if rank != 0:
+        return None
+    ops = {}
+    for name, result in mine.items():
+        host = [r[name] for r in every]
+        synced = [r[f"{name} sync"] for r in every]
+        ops[name] = {"host_us": max(host), "host_us_per_rank": host, "sync_us": max(synced),
+                     "sync_us_per_rank": synced, "rank0": result}
+    return {"world": world, "experts": work.num_experts, "num_worst_tokens": work.num_worst_tokens,
+            "recv_rows_rank0": int(work.recv_x.size(0)), "ops": ops}
+
+
+def _worker(rank: int, world: int, port: int, args: argparse.Namespace, results: Any) -> None:
+    try:
+        report = _measure_world(rank, world, port, args)
+        if report is not None:
+            results.put(("ok", report))
+    except BaseException:
+        results.put(("error", f"rank {rank}:\n{traceback.format_exc()}"))
+    results.close()
+    results.join_thread()  # the queue's thread has sent everything
+    os._exit(0)  # NVSHMEM is not finalized: skip the interpreter's teardown
+
+
+def _run_world(world: int, args: argparse.Namespace) -> dict:
+    ctx = mp.get_context("spawn")
+    results = ctx.Queue()
+    port = free_port()
+    procs = [ctx.Process(target=_worker, args=(r, world, port, args, results)) for r in range(world)]
+    for proc in procs:
+        proc.start()
+    deadline = time.monotonic() + args.timeout
+    try:
+        while True:
+            try:
+                kind, value = results.get(timeout=5)
+                break
+            except queue.Empty:
+                dead = [r for r, p in enumerate(procs) if p.exitcode not in (None, 0)]
+                if dead or time.monotonic() > deadline:
+                    raise RuntimeError(f"world {world}: ranks {dead} died" if dead else
+                                       f"world {world}: no result within {args.timeout:g} s")
+        if kind != "ok":
+            raise RuntimeError(f"world {world} failed on {value}")
+        return value
+    finally:
+        for proc in procs:
+            proc.join(timeout=30)
+            if proc.is_alive():
+                proc.kill()
+
+
+def _kernel_cell(kernel: dict[str, Any]) -> str:
+    count = kernel["launches_per_call"]
+    times = f"x{count:g} " if count != 1 else ""
+    launched = "" if kernel["launched_us"] is None else f"/{kernel['launched_us']:.0f}"
+    return f"{kernel['name']} {times}{kernel['gpu_us']:.1f} @{kernel['start_us']:.0f}{launched}"
+
+
+def _fmt(value: Optional[float]) -> str:
+    return "-" if value is None else f"{value:.1f}"
+
+
+def table(report: dict[str, Any]) -> str:
+    """The results as one table: a line per world and operation."""
+    a = report["args"]
+    lines = [f"whole Buffer calls, {a['backend']} backend on {report['device']}: {a['tokens']} tokens x {a['hidden']}, "
+             f"top-{a['topk']} of {a['experts']} experts, {a['num_sms']} SMs; low-latency {a['ll_tokens']} tokens",
+             "host: the call on the CPU, no sync; call+sync: with torch.cuda.synchronize() (us, slowest rank's "
+             "median); GPU (rank 0, under the profiler): busy = time its work covers, end = its last work ends, "
+             "kernels = name [xlaunches per call] us @GPU start/host launch (us from the call's start)",
+             f"{'world':>5}  {'op':20s} {'host':>8} {'call+sync':>10} {'busy':>8} {'end':>8}  kernels"]
+    for rep in report["reports"]:
+        for name, op in rep["ops"].items():
+            trace = op["rank0"]["trace"]
+            kernels = " | ".join(_kernel_cell(k) for k in trace["kernels"]) or "-"
+            lines.append(f"{rep['world']:5d}  {name:20s} {op['host_us']:8.1f} {op['sync_us']:10.1f} "
+                         f"{_fmt(trace['gpu_busy_us']):>8} {_fmt(trace['gpu_end_us']):>8}  {kernels}")
+    return "\n".join(lines)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--out", required=True, help="JSON results path")
+    parser.add_argument("--backend", choices=("cuda", "torch"), default="cuda",
+                        help="cuda: the kernels, ranks sharing the GPUs; torch: the torch backend on the CPU")
+    parser.add_argument("--worlds", default="2,4")
+    parser.add_argument("--tokens", type=int, default=4096)
+    parser.add_argument("--hidden", type=int, default=7168)
+    parser.add_argument("--experts", type=int, default=256)
+    parser.add_argument("--topk", type=int, default=8)
+    parser.add_argument("--ll-tokens", type=int, default=128, help="tokens per rank of the low-latency calls")
+    parser.add_argument("--skip-ll", action="store_true", help="leave the low-latency calls out")
+    parser.add_argument("--num-sms", type=int, default=24)
+    parser.add_argument("--nvl-bytes", type=int, default=1 << 30)
+    parser.add_argument("--warmup", type=int, default=3)
+    parser.add_argument("--iters", type=int, default=15)
+    parser.add_argument("--profile-iters", type=int, default=5)
+    parser.add_argument("--timeout", type=float, default=150, help="seconds per world")
+    parser.add_argument("--tiny", action="store_true", help="tiny shapes and few iterations (a smoke run)")
+    args = parser.parse_args()
+    if args.tiny:
+        for key, value in _TINY.items():
+            setattr(args, key, value)
+    if args.backend == "cuda" and not torch.cuda.is_available():
+        parser.error("--backend cuda needs a GPU; --backend torch runs on the CPU")
+    device = torch.cuda.get_device_name(0) if args.backend == "cuda" else "CPU"
+    if args.backend == "cuda":
+        device += f" (x{torch.cuda.device_count()}, shared by the ranks)"
+    report: dict[str, Any] = {"args": vars(args), "device": device, "torch": torch.__version__, "reports": []}
+    failed = []
+    for world in [int(w) for w in args.worlds.split(",") if w]:
+        started = time.monotonic()
+        try:
+            report["reports"].append(_run_world(world, args))
+        except RuntimeError as exc:
+            failed.append(str(exc))
+            print(exc, flush=True)
+            continue
+        print(f"world {world}: {time.monotonic() - started:.0f} s", flush=True)
+        os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
+        with open(args.out, "w") as f:
+            json.dump(report, f, indent=1)
+    print(table(report))
+    if failed:
+        raise SystemExit(1)
+
+
+if __name__ == "__main__":
+    main()
