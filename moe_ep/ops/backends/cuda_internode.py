@@ -23,7 +23,8 @@ import torch.distributed as dist
 from ..config import Config
 from ..constants import ROW_ALIGNMENT_BYTES
 from ..handles import LowLatencyHandle
-from ..requests import CombineRequest, DispatchRequest, LowLatencyCombineRequest, LowLatencyDispatchRequest
+from ..requests import (CombineRequest, DispatchRequest, LowLatencyCombineRequest, LowLatencyDispatchRequest,
+                        Request)
 from ..routing import DispatchLayout
 from ..settings import settings
 from ..topology import NodeTopology
@@ -104,6 +105,10 @@ class CudaInternodeBackend(CommBackend):
 
     def agree(self, op: str, fields: Mapping[str, int], local_error: Optional[Exception], device: torch.device) -> None:
         self._torch.agree(op, fields, local_error, device)
+
+    def start(self, op: str, request: Request) -> None:
+        # The torch backend's agreement carries the operation's count exchange (hierarchical.py).
+        self._torch.start(op, request)
 
     def get_dispatch_layout(self, topk_idx: torch.Tensor, num_experts: int) -> DispatchLayout:
         return self._torch.get_dispatch_layout(topk_idx, num_experts)
