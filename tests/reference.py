@@ -38,6 +38,22 @@ def to_cpu(value: object) -> object:
     return value
 
 
+def assert_same_bits(a: object, b: object, what: str) -> None:
+    """`a` and `b` (tensors, also nested in tuples and lists, or plain values) are equal bit for bit:
+    same shapes and dtypes, same bytes (so NaNs and the sign of zero count too)."""
+    if isinstance(a, torch.Tensor) or isinstance(b, torch.Tensor):
+        assert isinstance(a, torch.Tensor) and isinstance(b, torch.Tensor), f"{what}: {type(a)} vs {type(b)}"
+        assert a.shape == b.shape and a.dtype == b.dtype, f"{what}: {a.shape}/{a.dtype} vs {b.shape}/{b.dtype}"
+        if a.numel():
+            assert torch.equal(a.contiguous().view(torch.uint8), b.contiguous().view(torch.uint8)), f"{what} differs"
+    elif isinstance(a, (tuple, list)):
+        assert isinstance(b, (tuple, list)) and len(a) == len(b), f"{what}: {a!r} vs {b!r}"
+        for i, (x, y) in enumerate(zip(a, b)):
+            assert_same_bits(x, y, f"{what}[{i}]")
+    else:
+        assert a == b, f"{what}: {a!r} vs {b!r}"
+
+
 def tokens_for(tokens: tuple[int, ...], world: int) -> list[int]:
     """Tokens per rank for any world size: the case's list, repeated as needed."""
     return [tokens[rank % len(tokens)] for rank in range(world)]

@@ -24,7 +24,7 @@ from moe_ep.ops import fp8
 from moe_ep.ops.requests import DispatchRequest
 from moe_ep.ops.settings import reload as reload_settings
 from dist_pool import DistPool, gpu_worlds
-from reference import expert_output, make_inputs, tokens_for
+from reference import assert_same_bits, expert_output, make_inputs, tokens_for
 
 pytestmark = pytest.mark.skipif(
     not (torch.cuda.is_available() and importlib.util.find_spec("moe_ep._C") is not None),
@@ -77,20 +77,6 @@ def _buffers(group: dist.ProcessGroup) -> tuple[moe_ep.Buffer, moe_ep.Buffer]:
         _BUFFERS["torch"] = moe_ep.Buffer(group, backend="torch")
         _BUFFERS["cuda"] = moe_ep.Buffer(group, NVL_BYTES, backend="cuda")
     return _BUFFERS["torch"], _BUFFERS["cuda"]
-
-
-def _same(a: object, b: object, what: str) -> None:
-    if isinstance(a, torch.Tensor) or isinstance(b, torch.Tensor):
-        assert isinstance(a, torch.Tensor) and isinstance(b, torch.Tensor), f"{what}: {type(a)} vs {type(b)}"
-        assert a.shape == b.shape and a.dtype == b.dtype, f"{what}: {a.shape}/{a.dtype} vs {b.shape}/{b.dtype}"
-        if a.numel():
-            assert torch.equal(a.contiguous().view(torch.uint8), b.contiguous().view(torch.uint8)), f"{what} differs"
-    elif isinstance(a, (tuple, list)):
-        assert isinstance(b, (tuple, list)) and len(a) == len(b), f"{what}: {a!r} vs {b!r}"
-        for i, (x, y) in enumerate(zip(a, b)):
-            _same(x, y, f"{what}[{i}]")
-    else:
-        assert a == b, f"{what}: {a!r} vs {b!r}"
 
 
 def _inputs(c: Case, rank: int, world: int, seed: int) -> tuple[object, torch.Tensor, torch.Tensor, int]:
@@ -174,14 +160,14 @@ def _compare_backends(rank: int, world: int, case: dict, seed: int = 1234, async
                       staging_fits=not small_buffer_bytes)
     if small_buffer_bytes:
         cuda_buf.destroy()
-    _same(got["layout"], expected["layout"], "layout")
-    _same(got["dispatch"], expected["dispatch"], "dispatch")
-    _same(got["cached"], got["dispatch"][0], "cached dispatch")
+    assert_same_bits(got["layout"], expected["layout"], "layout")
+    assert_same_bits(got["dispatch"], expected["dispatch"], "dispatch")
+    assert_same_bits(got["cached"], got["dispatch"][0], "cached dispatch")
     if "combine_torch" in expected:
         paths = [key for key in got if key.startswith("combine_")]
         assert paths, "the CUDA backend ran no combine"
         for key in paths:
-            _same(got[key], expected["combine_torch"], key)
+            assert_same_bits(got[key], expected["combine_torch"], key)
     recv_x = got["dispatch"][0]
     return (recv_x[0] if isinstance(recv_x, tuple) else recv_x).size(0)
 
@@ -297,7 +283,7 @@ def _graph_captured_dispatch(rank: int, world: int) -> None:
         captured = dispatch()
     graph.replay()
     torch.cuda.synchronize()
-    _same(captured, eager, "graph replay")
+    assert_same_bits(captured, eager, "graph replay")
 
 
 def test_num_worst_tokens_dispatch_captures_in_cuda_graph(gpu_pool) -> None:
@@ -329,7 +315,7 @@ def _graph_captured_buffer_calls(rank: int, world: int) -> None:
         captured = calls()
     graph.replay()
     torch.cuda.synchronize()
-    _same(captured, eager, "graph replay")
+    assert_same_bits(captured, eager, "graph replay")
     assert bool((eager[1] >= 0).any()), "no token was routed here: the case moves nothing"
 
 

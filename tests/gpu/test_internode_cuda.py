@@ -26,7 +26,7 @@ from moe_ep.ops import fp8
 from moe_ep.ops.backends.cuda_low_latency import low_latency_available
 from moe_ep.ops.settings import reload as reload_settings
 from dist_pool import gpu_worlds
-from reference import expert_output, make_inputs, tokens_for
+from reference import assert_same_bits, expert_output, make_inputs, to_cpu, tokens_for
 from test_internode import BIG_BF16, BIG_FP8, EMPTY_RANK, EVERY_NODE, FP8, NODE_SILENT, RANDOM, SKEWED, WORST, Case
 from test_internode import _inputs
 
@@ -64,22 +64,12 @@ def _buffer(ranks_per_node: int, kind: str) -> moe_ep.Buffer:
     return _BUFFERS[key]
 
 
-def _to(value: object, device: torch.device) -> object:
-    """Tensors in nested dicts, tuples and lists moved to `device`."""
-    if isinstance(value, torch.Tensor):
-        return value.to(device)
-    if isinstance(value, dict):
-        return {key: _to(v, device) for key, v in value.items()}
-    if isinstance(value, (tuple, list)):
-        return type(value)(_to(v, device) for v in value)
-    return value
-
-
 def _round_trip(buffer: moe_ep.Buffer, c: Case, inputs: list, rank: int, device: torch.device,
                 num_worst: int, config: moe_ep.Config) -> dict[str, object]:
     mine = inputs[rank]
-    x_host = fp8.per_token_cast_to_fp8(mine.x.float()) if c.use_fp8 else mine.x
-    x, topk_idx, topk_weights = _to(x_host, device), mine.topk_idx.to(device), mine.topk_weights.to(device)
+    # FP8 cast on the CPU for both Buffers: the same input bits.
+    x = tuple(t.to(device) for t in fp8.per_token_cast_to_fp8(mine.x.float())) if c.use_fp8 else mine.x.to(device)
+    topk_idx, topk_weights = mine.topk_idx.to(device), mine.topk_weights.to(device)
     num_experts = c.experts_per_rank * len(inputs)
     gen = torch.Generator().manual_seed(99 + rank)
     bias = tuple(torch.randn(mine.x.shape, generator=gen).to(torch.bfloat16 if c.use_fp8 else mine.x.dtype).to(device)
@@ -102,21 +92,7 @@ def _round_trip(buffer: moe_ep.Buffer, c: Case, inputs: list, rank: int, device:
     out["combine_plain"] = buffer.combine(y, handle, config=config)[:2]
     if device.type == "cuda":
         torch.cuda.synchronize()
-    return _to(out, torch.device("cpu"))
-
-
-def _same(a: object, b: object, what: str) -> None:
-    if isinstance(a, torch.Tensor) or isinstance(b, torch.Tensor):
-        assert isinstance(a, torch.Tensor) and isinstance(b, torch.Tensor), f"{what}: {type(a)} vs {type(b)}"
-        assert a.shape == b.shape and a.dtype == b.dtype, f"{what}: {a.shape}/{a.dtype} vs {b.shape}/{b.dtype}"
-        if a.numel():
-            assert torch.equal(a.contiguous().view(torch.uint8), b.contiguous().view(torch.uint8)), f"{what} differs"
-    elif isinstance(a, (tuple, list)):
-        assert isinstance(b, (tuple, list)) and len(a) == len(b), f"{what}: {a!r} vs {b!r}"
-        for i, (x, y) in enumerate(zip(a, b)):
-            _same(x, y, f"{what}[{i}]")
-    else:
-        assert a == b, f"{what}: {a!r} vs {b!r}"
+    return to_cpu(out)
 
 
 def _compare(rank: int, world: int, ranks_per_node: int, cases: list[dict]) -> dict[str, str]:
@@ -136,7 +112,7 @@ def _compare(rank: int, world: int, ranks_per_node: int, cases: list[dict]) -> d
                               config)
             assert got["network_rows"] > 0 or expected["network_rows"] == 0
             for key in expected:
-                _same(got[key], expected[key], key)
+                assert_same_bits(got[key], expected[key], key)
         except Exception as exc:  # report and go on with the next case
             failures[c.name] = f"{type(exc).__name__}: {exc}"
     return failures
@@ -301,4 +277,4 @@ def test_low_latency_reaches_other_virtual_nodes_by_puts(gpu_pool, world: int) -
     for result in gpu_pool(world).run(_low_latency_virtual_nodes, timeout=300):
         assert result["mapped"] is False  # peers of the other node go through NVSHMEM puts
         for use_fp8 in (False, True):
-            _same(result[f"cuda_{use_fp8}"], result[f"torch_{use_fp8}"], f"low-latency fp8={use_fp8}")
+            assert_same_bits(result[f"cuda_{use_fp8}"], result[f"torch_{use_fp8}"], f"low-latency fp8={use_fp8}")
