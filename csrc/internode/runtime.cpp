@@ -2,7 +2,6 @@
 
 #include <nvshmem_host.h>
 
-#include <cstring>
 #include <stdexcept>
 #include <string>
 
@@ -11,10 +10,6 @@ namespace moe_ep {
 namespace in = kernels::internode;
 
 namespace {
-
-void cuda_check(cudaError_t err, const char* what) {
-    if (err != cudaSuccess) throw std::runtime_error(std::string(what) + ": " + cudaGetErrorString(err));
-}
 
 constexpr size_t kSymmetricBufferAlignment = 4096;
 
@@ -46,13 +41,6 @@ InternodeRuntime::InternodeRuntime(int rank, int num_ranks, int64_t num_bytes, d
     cuda_check(cudaMemset(base_, 0, num_bytes_), "cudaMemset(symmetric buffer)");
     cuda_check(cudaMalloc(&state_, sizeof(in::State)), "cudaMalloc(state)");
     cuda_check(cudaMemset(state_, 0, sizeof(in::State)), "cudaMemset(state)");
-    void* flags = nullptr;
-    cuda_check(cudaHostAlloc(&flags, sizeof(kernels::HostFlags), cudaHostAllocMapped), "cudaHostAlloc");
-    flags_ = static_cast<kernels::HostFlags*>(flags);
-    std::memset(flags_, 0, sizeof(kernels::HostFlags));
-    void* flags_dev = nullptr;
-    cuda_check(cudaHostGetDevicePointer(&flags_dev, flags, 0), "cudaHostGetDevicePointer");
-    flags_dev_ = static_cast<kernels::HostFlags*>(flags_dev);
     cuda_check(cudaDeviceSynchronize(), "cudaDeviceSynchronize");
     // No peer may write into this buffer before it is zeroed (the Python side reached the collective
     // allocation above through a timed process-group barrier).
@@ -64,7 +52,6 @@ InternodeRuntime::~InternodeRuntime() {
     if (base_ == nullptr) return;
     cudaDeviceSynchronize();
     cudaFree(state_);
-    cudaFreeHost(flags_);
 }
 
 void InternodeRuntime::destroy() {
@@ -72,13 +59,13 @@ void InternodeRuntime::destroy() {
     cuda_check(cudaDeviceSynchronize(), "cudaDeviceSynchronize");
     nvshmem_free(base_);
     cudaFree(state_);
-    cudaFreeHost(flags_);
+    flags_.release();
     base_ = nullptr;
 }
 
 void InternodeRuntime::check_usable() const {
     if (base_ == nullptr) throw std::runtime_error("internode mode: the buffer was destroyed");
-    const int code = reinterpret_cast<volatile kernels::HostFlags*>(flags_)->error;
+    const int code = flags_.host()->error;
     if (code != kernels::kOk)
         throw std::runtime_error(std::string("internode mode: an exchange gave up after ") +
                                  std::to_string(timeout_s_) + " s waiting " + wait_name(code) +
@@ -142,7 +129,7 @@ void InternodeRuntime::exchange(const uint8_t* send, uint8_t* recv, int64_t row_
     a.seq = ++seq_;
     a.comm.rank = rank_;
     a.comm.num_ranks = num_ranks_;
-    a.comm.flags = flags_dev_;
+    a.comm.flags = flags_.device();
     a.comm.timeout_ns = static_cast<uint64_t>(timeout_s_ * 1e9);
     a.state = state_;
     cuda_check(in::launch_exchange(a, stream), "internode exchange");

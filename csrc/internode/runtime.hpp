@@ -7,6 +7,7 @@
 #include <cstdint>
 #include <vector>
 
+#include "common/host_flags.hpp"
 #include "internode/api.cuh"
 
 namespace moe_ep {
@@ -43,8 +44,7 @@ class InternodeRuntime {
     double timeout_s_;
     uint8_t* base_ = nullptr;
     kernels::internode::State* state_ = nullptr;
-    kernels::HostFlags* flags_ = nullptr;  // host address; flags_dev_ is the device's
-    kernels::HostFlags* flags_dev_ = nullptr;
+    MappedHostFlags flags_;
     uint32_t seq_ = 0;
 };
 

@@ -9,10 +9,6 @@ namespace moe_ep {
 
 namespace {
 
-void cuda_check(cudaError_t err, const char* what) {
-    if (err != cudaSuccess) throw std::runtime_error(std::string(what) + ": " + cudaGetErrorString(err));
-}
-
 const char* describe(int code) {
     switch (code) {
         case kernels::kErrBarrierTimeout: return "a peer rank never reached the barrier (it is not calling the same "
@@ -37,17 +33,11 @@ NvlRuntime::NvlRuntime(int rank, int num_ranks, int64_t num_nvl_bytes, double ti
     cuda_check(cudaMalloc(&base_, data_bytes_ + kernels::ctrl::kBytes), "cudaMalloc(NVLink buffer)");
     cuda_check(cudaMemset(base_ + data_bytes_, 0, kernels::ctrl::kBytes), "cudaMemset");
     cuda_check(cudaIpcGetMemHandle(&ipc_handle_, base_), "cudaIpcGetMemHandle");
-    void* flags = nullptr;
-    cuda_check(cudaHostAlloc(&flags, sizeof(kernels::HostFlags), cudaHostAllocMapped), "cudaHostAlloc");
-    flags_ = static_cast<kernels::HostFlags*>(flags);
-    std::memset(flags_, 0, sizeof(kernels::HostFlags));
-    flags_->recv_count = -1;
-    void* flags_dev = nullptr;
-    cuda_check(cudaHostGetDevicePointer(&flags_dev, flags, 0), "cudaHostGetDevicePointer");
+    flags_.host()->recv_count = -1;
     cuda_check(cudaDeviceSynchronize(), "cudaDeviceSynchronize");
     comm_.rank = rank;
     comm_.num_ranks = num_ranks;
-    comm_.flags = static_cast<kernels::HostFlags*>(flags_dev);
+    comm_.flags = flags_.device();
     comm_.timeout_ns = static_cast<uint64_t>(timeout_s * 1e9);
 #ifdef MOE_EP_PROFILE
     cuda_check(cudaMalloc(&profile_, sizeof(int64_t) * kernels::prof::kInt64s), "cudaMalloc(profile)");
@@ -103,14 +93,13 @@ void NvlRuntime::destroy() {
     for (int r = 0; r < num_ranks_; ++r)
         if (r != rank_ && peer_bases_[r] != nullptr) cudaIpcCloseMemHandle(peer_bases_[r]);
     cudaFree(base_);
-    cudaFreeHost(flags_);
+    flags_.release();
 #ifdef MOE_EP_PROFILE
     cudaFree(profile_);
     profile_ = nullptr;
     comm_.profile = nullptr;
 #endif
     base_ = nullptr;
-    flags_ = nullptr;
     connected_ = false;
     broken_ = true;
     broken_reason_ = "the buffer was destroyed";
@@ -128,14 +117,14 @@ void NvlRuntime::check_usable() {
     // An overflow first: it may be what made a later kernel of some rank time out.
     const kernels::WorstTokensOverflow overflow = read_overflow();
     if (overflow.seq / 2 > overflows_raised_) raise_overflow(overflow);
-    const int code = reinterpret_cast<volatile kernels::HostFlags*>(flags_)->error;
+    const int code = flags_.host()->error;
     if (code != kernels::kOk)
         throw std::runtime_error(std::string("moe_ep CUDA backend: an earlier kernel failed: ") + describe(code) +
                                  "; the buffer is unusable, recreate the process group and Buffer");
 }
 
 kernels::WorstTokensOverflow NvlRuntime::read_overflow() const {
-    const volatile kernels::WorstTokensOverflow* live = &flags_->overflow;
+    const volatile kernels::WorstTokensOverflow* live = &flags_.host()->overflow;
     kernels::WorstTokensOverflow copy{};
     // The device rewrites the fields within microseconds; should it die in between, a torn report is
     // still a report.
@@ -164,13 +153,13 @@ void NvlRuntime::raise_overflow(const kernels::WorstTokensOverflow& report) {
 }
 
 int NvlRuntime::last_combine_path() const {
-    return reinterpret_cast<const volatile kernels::HostFlags*>(flags_)->combine_path;
+    return flags_.host()->combine_path;
 }
 
-void NvlRuntime::arm_recv_count() { reinterpret_cast<volatile kernels::HostFlags*>(flags_)->recv_count = -1; }
+void NvlRuntime::arm_recv_count() { flags_.host()->recv_count = -1; }
 
 int NvlRuntime::wait_recv_count() {
-    volatile kernels::HostFlags* flags = flags_;
+    volatile kernels::HostFlags* flags = flags_.host();
     const auto start = std::chrono::steady_clock::now();
     const double limit_s = 2 * timeout_s_ + 10;
     for (long spins = 0;; ++spins) {
@@ -195,7 +184,7 @@ int NvlRuntime::wait_recv_count() {
 }
 
 void NvlRuntime::fail_from_flags() {
-    const int code = reinterpret_cast<volatile kernels::HostFlags*>(flags_)->error;
+    const int code = flags_.host()->error;
     broken_ = true;
     broken_reason_ = describe(code);
     throw std::runtime_error(std::string("moe_ep CUDA backend: ") + describe(code) + " (kernel timeout after " +
@@ -203,7 +192,7 @@ void NvlRuntime::fail_from_flags() {
 }
 
 std::vector<int> NvlRuntime::expert_counts(int num_local_experts) const {
-    volatile kernels::HostFlags* flags = flags_;
+    volatile kernels::HostFlags* flags = flags_.host();
     std::vector<int> counts(num_local_experts);
     for (int e = 0; e < num_local_experts; ++e) counts[e] = flags->expert_counts[e];
     return counts;

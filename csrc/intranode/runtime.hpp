@@ -6,6 +6,7 @@
 #include <string>
 #include <vector>
 
+#include "common/host_flags.hpp"
 #include "common/profile.h"
 #include "intranode/api.cuh"
 
@@ -65,7 +66,7 @@ class NvlRuntime {
     uint8_t* base_ = nullptr;
     uint8_t* peer_bases_[kNumMaxNvlPeers] = {};
     cudaIpcMemHandle_t ipc_handle_{};
-    kernels::HostFlags* flags_ = nullptr;
+    MappedHostFlags flags_;
     kernels::CommContext comm_{};
     bool connected_ = false;
     bool broken_ = false;
