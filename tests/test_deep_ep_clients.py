@@ -448,8 +448,12 @@ def _sglang_auto_mode(rank: int, world: int) -> None:
     hidden, per_rank, topk, max_tokens = 256, 2, 3, 16
     num_experts = per_rank * world
     configs = client_calls.sglang_configs(deep_ep, client_calls.SGLANG_DEEPEP_CONFIG)
+    # SGLang passes use_fabric=True on machines with multi-node NVLink, which moe_ep does not support yet.
+    with pytest.raises(ValueError, match="use_fabric: fabric memory handles"):
+        client_calls.sglang_buffer_auto_mode(deep_ep, dist.group.WORLD, hidden, 2, max_tokens, num_experts, configs,
+                                             use_fabric=True)
     buffer = client_calls.sglang_buffer_auto_mode(deep_ep, dist.group.WORLD, hidden, 2, max_tokens, num_experts,
-                                                  configs, use_fabric=world == 3)
+                                                  configs, use_fabric=False)
 
     inputs = make_inputs(97 + world, world, tokens_for((11, 30, 4), world), hidden, num_experts, topk, mask_prob=0.0)
     mine, ref = inputs[rank], dispatch_reference(inputs, rank, num_experts, 128, 1)

@@ -30,6 +30,8 @@ class NvlRuntime {
     int num_ranks() const { return num_ranks_; }
     int device() const { return device_; }
     int64_t data_bytes() const { return data_bytes_; }
+    // This rank's data region (data_bytes() bytes; the control area follows it).
+    uint8_t* data() const { return base_; }
     // Launch context with CommContext::pipeline_lag (Config.pipeline_lag, 0 for the kernels' defaults).
     kernels::CommContext comm(int pipeline_lag = 0) const;
 

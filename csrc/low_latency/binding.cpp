@@ -166,6 +166,12 @@ Tensor send_buffer(const NvshmemRuntime& rt, int64_t max_tokens, int64_t hidden,
                             torch::dtype(torch::kBFloat16).device(torch::kCUDA, rt.device()));
 }
 
+// Buffer.get_local_buffer_tensor(use_rdma_buffer=True): the whole symmetric buffer as uint8 (valid while
+// the runtime lives).
+Tensor local_buffer(const NvshmemRuntime& rt) {
+    return torch::from_blob(rt.base(), {rt.num_bytes()}, torch::dtype(torch::kUInt8).device(torch::kCUDA, rt.device()));
+}
+
 }  // namespace
 
 }  // namespace moe_ep
@@ -200,4 +206,5 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
     m.def("ll_dispatch", &moe_ep::dispatch);
     m.def("ll_combine", &moe_ep::combine);
     m.def("ll_send_buffer", &moe_ep::send_buffer);
+    m.def("ll_local_buffer", &moe_ep::local_buffer);
 }

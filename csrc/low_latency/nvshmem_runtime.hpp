@@ -47,6 +47,7 @@ class NvshmemRuntime {
 
     const kernels::ll::Context& context() const { return ctx_; }
     uint8_t* send_region(const kernels::ll::Layout& layout) const { return base_ + layout.send; }
+    uint8_t* base() const { return base_; }
     int rank() const { return rank_; }
     int num_ranks() const { return num_ranks_; }
     int device() const { return device_; }

@@ -11,6 +11,7 @@ import torch.distributed as dist
 from . import validation as check
 from .backends import create_backend, cuda_extension_available
 from .backends.base import CommBackend
+from .comm_group import group_from_comm
 from .config import Config, default_combine_config, default_dispatch_config, low_latency_buffer_bytes
 from .constants import NUM_MAX_NVL_PEERS
 from .event import EventOverlap, capture_event
@@ -40,6 +41,12 @@ class Buffer:
     Nodes are the hosts, or `num_ranks_per_node` consecutive ranks (1 to 8, dividing the group size;
     default: the setting `MOE_EP_NUM_RANKS_PER_NODE`), which splits a host into virtual nodes. Across
     nodes, normal mode runs hierarchically on the torch backend (docs/semantics.md, "Internode").
+
+    DeepEP's other arguments: `group=None` with `comm` (an mpi4py communicator) makes the group of the
+    communicator's processes (`moe_ep.ops.comm_group`); without either, the default group serves.
+    `enable_shrink=True` keeps a rank mask for elastic low-latency mode (`low_latency_update_mask_buffer`
+    and its siblings). `use_fabric=True` is refused (multi-node NVLink is not supported);
+    `num_qps_per_rank`, `allow_nvlink_for_low_latency_mode` and `allow_mnnvl` change nothing.
     """
 
     num_sms: int = 20
@@ -63,13 +70,14 @@ class Buffer:
     ) -> None:
         if backend not in ("auto", "torch", "cuda"):
             raise ValueError(f"backend: expected 'auto', 'torch' or 'cuda', got {backend!r}")
-        # DeepEP's later V1 arguments, passed by name by its clients: fabric memory handles change
-        # nothing here (as allow_mnnvl); rank masking and MPI communicators are not implemented.
+        if use_fabric:
+            raise ValueError("use_fabric: fabric memory handles (multi-node NVLink) are not supported yet; pass "
+                             "use_fabric=False (the NVLink of one node needs none)")
         if enable_shrink:
             raise ValueError("enable_shrink: DeepEP's shrink mode (masking failed ranks) is not supported; "
                              "pass enable_shrink=False")
-        if comm is not None:
-            raise ValueError("comm: mpi4py communicators are not supported; pass a torch.distributed group")
+        if group is None and comm is not None:
+            group = group_from_comm(comm)
         if not dist.is_initialized():
             raise RuntimeError("group: torch.distributed is not initialized; call init_process_group first")
         for name, value in (("num_nvl_bytes", num_nvl_bytes), ("num_rdma_bytes", num_rdma_bytes)):
@@ -85,6 +93,7 @@ class Buffer:
         self.allow_nvlink_for_low_latency_mode = allow_nvlink_for_low_latency_mode
         self.allow_mnnvl = allow_mnnvl
         self.use_fabric = use_fabric
+        self.enable_shrink = enable_shrink
         self.explicitly_destroy = explicitly_destroy
         self.backend = backend
         self._streams = CommStreams()
@@ -97,7 +106,8 @@ class Buffer:
         if (backend == "cuda" or (backend == "auto" and self._cuda_fits())) and not self._internode_normal_mode():
             self._cuda = create_backend("cuda", self.group, self.rank, self.group_size, num_nvl_bytes=num_nvl_bytes,
                                         num_rdma_bytes=num_rdma_bytes, low_latency_mode=low_latency_mode,
-                                        explicitly_destroy=explicitly_destroy)
+                                        explicitly_destroy=explicitly_destroy, enable_shrink=enable_shrink)
+        self._host_buffers: dict[bool, torch.Tensor] = {}  # get_local_buffer_tensor's memory without CUDA kernels
         self._destroyed = False
 
     def _internode_normal_mode(self) -> bool:
@@ -177,6 +187,52 @@ class Buffer:
             return None
         return self._streams.get(torch.device("cuda", torch.cuda.current_device()))
 
+    def get_local_buffer_tensor(self, dtype: torch.dtype, size: Optional[torch.Size] = None, offset: int = 0,
+                                use_rdma_buffer: bool = False) -> torch.Tensor:
+        """This rank's raw buffer memory as a `dtype` tensor, from byte `offset` to the end of the buffer:
+        the NVLink buffer (`num_nvl_bytes`), or with `use_rdma_buffer` the low-latency symmetric buffer
+        (`num_rdma_bytes`). With `size`, its first `size.numel()` elements viewed as `size`.
+
+        With the CUDA backend these are views of the memory its kernels work in (the normal-mode NVLink
+        buffer; the NVSHMEM buffer of low-latency mode): writing there while an operation runs corrupts
+        it. The torch backend moves data with collectives and has no buffers: it returns memory of the
+        same size (on the GPU with NCCL, else on the CPU) that nothing else uses.
+        """
+        if not isinstance(dtype, torch.dtype):
+            raise TypeError(f"dtype: expected a torch.dtype, got {type(dtype).__name__}")
+        check.check_positive_int("offset", offset, minimum=0)
+        raw = self._local_buffer(bool(use_rdma_buffer))
+        item = torch.empty((), dtype=dtype).element_size()
+        if offset % item != 0 or offset >= raw.numel():
+            raise ValueError(f"offset: expected a multiple of {item} bytes ({dtype}) below the buffer's {raw.numel()} "
+                             f"bytes, got {offset}")
+        tensor = raw[offset:offset + (raw.numel() - offset) // item * item].view(dtype)
+        if size is None:
+            return tensor
+        shape = torch.Size(size)
+        if shape.numel() > tensor.numel():
+            raise ValueError(f"size: {tuple(shape)} needs {shape.numel()} elements, the buffer holds {tensor.numel()} "
+                             f"{dtype} elements from offset {offset}")
+        return tensor[:shape.numel()].view(shape)
+
+    def _local_buffer(self, use_rdma_buffer: bool) -> torch.Tensor:
+        """`get_local_buffer_tensor`'s whole buffer as uint8."""
+        if self._destroyed:
+            raise RuntimeError("Buffer: used after destroy()")
+        name = "num_rdma_bytes" if use_rdma_buffer else "num_nvl_bytes"
+        num_bytes = self.num_rdma_bytes if use_rdma_buffer else self.num_nvl_bytes
+        if num_bytes == 0:
+            raise ValueError(f"use_rdma_buffer={use_rdma_buffer}: the Buffer was created with {name}=0")
+        if self._cuda is not None:
+            from .backends.cuda_backend import CudaBackend
+
+            assert isinstance(self._cuda, CudaBackend)
+            return self._cuda.local_buffer(use_rdma_buffer)
+        if use_rdma_buffer not in self._host_buffers:
+            device = torch.device("cuda", torch.cuda.current_device()) if _is_nccl(self.group) else torch.device("cpu")
+            self._host_buffers[use_rdma_buffer] = torch.zeros(num_bytes, dtype=torch.uint8, device=device)
+        return self._host_buffers[use_rdma_buffer]
+
     def destroy(self) -> None:
         """Release the backends' resources; requires `explicitly_destroy=True` as in DeepEP."""
         if not self.explicitly_destroy:
@@ -185,6 +241,7 @@ class Buffer:
             if backend is not None:
                 backend.destroy()
         self._cuda = None
+        self._host_buffers.clear()
         self._destroyed = True
 
     def check_errors(self) -> None:
@@ -504,6 +561,31 @@ class Buffer:
         self._require_low_latency("get_next_low_latency_combine_buffer")
         hdl = check.check_low_latency_handle(handle, self.group_size)
         return self._backend_for(hdl.layout_range).get_next_low_latency_combine_buffer(hdl)
+
+    # ------------------------------------------------------------------ DeepEP's internode entry points
+
+    def internode_dispatch(self, x: Tokens, handle: Optional[DispatchHandle] = None,
+                           num_tokens_per_rank: Optional[torch.Tensor] = None,
+                           num_tokens_per_rdma_rank: Optional[torch.Tensor] = None,
+                           is_token_in_rank: Optional[torch.Tensor] = None,
+                           num_tokens_per_expert: Optional[torch.Tensor] = None, topk_idx: Optional[torch.Tensor] = None,
+                           topk_weights: Optional[torch.Tensor] = None, expert_alignment: int = 1,
+                           config: Optional[Config] = None, previous_event: Optional[EventOverlap] = None,
+                           async_finish: bool = False, allocate_on_comm_stream: bool = False) -> tuple:
+        """`dispatch` (which takes the internode path itself when the group spans several nodes); DeepEP's
+        `dispatch` calls its namesake across nodes, and programs may call it directly."""
+        return self.dispatch(x, handle, num_tokens_per_rank, num_tokens_per_rdma_rank, is_token_in_rank,
+                             num_tokens_per_expert, topk_idx, topk_weights, expert_alignment, 0, config, previous_event,
+                             async_finish, allocate_on_comm_stream)
+
+    def internode_combine(self, x: torch.Tensor, handle: DispatchHandle, topk_weights: Optional[torch.Tensor] = None,
+                          bias: Bias = None, config: Optional[Config] = None,
+                          previous_event: Optional[EventOverlap] = None, async_finish: bool = False,
+                          allocate_on_comm_stream: bool = False) -> tuple[torch.Tensor, Optional[torch.Tensor],
+                                                                           EventOverlap]:
+        """`combine` (see `internode_dispatch`)."""
+        return self.combine(x, handle, topk_weights, bias, config, previous_event, async_finish,
+                            allocate_on_comm_stream)
 
 
 def _is_nccl(group: dist.ProcessGroup) -> bool:

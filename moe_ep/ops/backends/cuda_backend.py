@@ -60,6 +60,7 @@ class CudaBackend(CommBackend):
         num_rdma_bytes: int = 0,
         low_latency_mode: bool = False,
         explicitly_destroy: bool = False,
+        enable_shrink: bool = False,
     ) -> None:
         super().__init__(group, rank, num_ranks)
         if num_ranks > NUM_MAX_NVL_PEERS:
@@ -156,6 +157,16 @@ class CudaBackend(CommBackend):
 
     def clean_low_latency_buffer(self, num_max_dispatch_tokens_per_rank: int, hidden: int, num_experts: int) -> None:
         self._low_latency_runtime().clean_low_latency_buffer(num_max_dispatch_tokens_per_rank, hidden, num_experts)
+
+    def local_buffer(self, use_rdma_buffer: bool) -> torch.Tensor:
+        """This rank's NVLink buffer, or with `use_rdma_buffer` its low-latency symmetric buffer, as uint8
+        views of the memory the kernels use."""
+        if not use_rdma_buffer:
+            return self._runtime.local_buffer()
+        if self._low_latency is None:
+            raise ValueError("use_rdma_buffer: the CUDA backend has an RDMA (symmetric) buffer in low-latency mode "
+                             "only (low_latency_mode=True)")
+        return self._low_latency.local_buffer()
 
     def destroy(self) -> None:
         """Wait for this rank's kernels and every peer, then unmap and free the NVLink buffer."""

@@ -243,6 +243,11 @@ class LowLatencyRuntime:
         self._complete()
         self._runtime.clean()
 
+    def local_buffer(self) -> torch.Tensor:
+        """The whole symmetric buffer as uint8: a view of the memory the kernels use."""
+        self.check_usable()
+        return _ext().ll_local_buffer(self._runtime)
+
     def destroy(self) -> None:
         """Free the symmetric buffer (collective); the runtime is unusable afterwards."""
         self._in_flight.clear()
