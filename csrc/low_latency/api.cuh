@@ -16,6 +16,15 @@
 // also waits for its peers' send phase of the same operation (the top-k weights the experts' ranks
 // need to reduce a token's rows before sending them back); every rank runs the send phases in the same
 // order, and each phase makes all of its stores before its first wait, so this never forms a cycle.
+//
+// Elastic mode (`Context::mask` set, Buffer(enable_shrink=True)): a device array of one word per rank,
+// nonzero for a rank this rank leaves out. Nothing is stored to a rank left out (acknowledgements and
+// barrier signals excepted: they are counters that a rank rejoining later needs), and no wait is made
+// for one; a rank whose own word is set leaves every rank out (it sends and receives nothing). A wait
+// for a peer that gives up after the timeout sets the peer's word and goes on instead of failing. A
+// dispatch's receive phase first decides, once per source, whether that source takes part (all of its
+// counts arrived, or it is left out): every warp packs the rows by these verdicts, so that a source
+// masked while some warps had already read its counts cannot make them disagree on the layout.
 #pragma once
 
 #include <cstdint>
@@ -101,6 +110,9 @@ struct Context {
     State* state;                // device memory
     CommContext comm;            // rank, num_ranks, mapped host flags, timeout (peers unused)
     int num_blocks;              // grid size: every block must be resident at once (cooperative launch)
+    int* mask;                   // elastic mode: device array [R], nonzero = rank left out; null otherwise
+    uint64_t* verdicts;          // elastic mode: device array [R], per source of the current dispatch receive
+                                 // (tag << 32 | 1 taking part, 2 left out)
 };
 
 struct DispatchArgs {

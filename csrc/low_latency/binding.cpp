@@ -166,6 +166,12 @@ Tensor send_buffer(const NvshmemRuntime& rt, int64_t max_tokens, int64_t hidden,
                             torch::dtype(torch::kBFloat16).device(torch::kCUDA, rt.device()));
 }
 
+// Elastic mode: the rank mask [R] int32 that the kernels read and set (valid while the runtime lives).
+Tensor rank_mask(const NvshmemRuntime& rt) {
+    TORCH_CHECK_VALUE(rt.mask() != nullptr, "the low-latency runtime was created without elastic mode (shrink)");
+    return torch::from_blob(rt.mask(), {rt.num_ranks()}, torch::dtype(torch::kInt32).device(torch::kCUDA, rt.device()));
+}
+
 // Buffer.get_local_buffer_tensor(use_rdma_buffer=True): the whole symmetric buffer as uint8 (valid while
 // the runtime lives).
 Tensor local_buffer(const NvshmemRuntime& rt) {
@@ -186,8 +192,9 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
     });
     // Module-local: both low-latency modules bind this C++ type, and one process may import both.
     py::class_<NvshmemRuntime>(m, "NvshmemRuntime", py::module_local())
-        .def(py::init<int, int, int64_t, double, bool>(), py::arg("rank"), py::arg("num_ranks"), py::arg("num_bytes"),
-             py::arg("timeout_s"), py::arg("puts_only") = false, py::call_guard<py::gil_scoped_release>())
+        .def(py::init<int, int, int64_t, double, bool, bool>(), py::arg("rank"), py::arg("num_ranks"),
+             py::arg("num_bytes"), py::arg("timeout_s"), py::arg("puts_only") = false, py::arg("shrink") = false,
+             py::call_guard<py::gil_scoped_release>())
         .def_static("unique_id_bytes", &NvshmemRuntime::unique_id_bytes)
         .def_static("create_unique_id", [] { return py::bytes(NvshmemRuntime::create_unique_id()); })
         .def_static(
@@ -207,4 +214,5 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
     m.def("ll_combine", &moe_ep::combine);
     m.def("ll_send_buffer", &moe_ep::send_buffer);
     m.def("ll_local_buffer", &moe_ep::local_buffer);
+    m.def("ll_rank_mask", &moe_ep::rank_mask);
 }

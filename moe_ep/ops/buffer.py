@@ -45,7 +45,7 @@ class Buffer:
     DeepEP's other arguments: `group=None` with `comm` (an mpi4py communicator) makes the group of the
     communicator's processes (`moe_ep.ops.comm_group`); without either, the default group serves.
     `enable_shrink=True` keeps a rank mask for elastic low-latency mode (`low_latency_update_mask_buffer`
-    and its siblings). `use_fabric=True` is refused (multi-node NVLink is not supported);
+    and its siblings): a dead rank then costs its experts, not the job (CUDA backend). `use_fabric=True` is refused (multi-node NVLink is not supported);
     `num_qps_per_rank`, `allow_nvlink_for_low_latency_mode` and `allow_mnnvl` change nothing.
     """
 
@@ -73,9 +73,6 @@ class Buffer:
         if use_fabric:
             raise ValueError("use_fabric: fabric memory handles (multi-node NVLink) are not supported yet; pass "
                              "use_fabric=False (the NVLink of one node needs none)")
-        if enable_shrink:
-            raise ValueError("enable_shrink: DeepEP's shrink mode (masking failed ranks) is not supported; "
-                             "pass enable_shrink=False")
         if group is None and comm is not None:
             group = group_from_comm(comm)
         if not dist.is_initialized():
@@ -561,6 +558,43 @@ class Buffer:
         self._require_low_latency("get_next_low_latency_combine_buffer")
         hdl = check.check_low_latency_handle(handle, self.group_size)
         return self._backend_for(hdl.layout_range).get_next_low_latency_combine_buffer(hdl)
+
+    # ------------------------------------------------------------------ elastic low-latency mode
+
+    def low_latency_update_mask_buffer(self, rank_to_mask: int, mask: bool = False) -> None:
+        """Mask (`mask=True`) or unmask rank `rank_to_mask` in this rank's low-latency operations (elastic
+        mode, `enable_shrink=True`; docs/semantics.md, "Elastic mode"): nothing is sent to a masked rank
+        or awaited from it, and a combine leaves out the top-k terms of its experts; a rank masked in its
+        own mask sends and receives nothing. Every rank should mask the same ranks: the torch backend
+        requires it, and the CUDA backend also masks, on its own, a peer that one of its waits gave up on
+        (`MOE_EP_TIMEOUT_S`). On CUDA the change is ordered on the current stream."""
+        masks = self._rank_masks("low_latency_update_mask_buffer")
+        if isinstance(rank_to_mask, bool) or not isinstance(rank_to_mask, int) or not 0 <= rank_to_mask < self.group_size:
+            raise ValueError(f"rank_to_mask: expected a rank in [0, {self.group_size}), got {rank_to_mask!r}")
+        for rank_mask in masks:
+            rank_mask[rank_to_mask] = int(bool(mask))
+
+    def low_latency_query_mask_buffer(self, mask_status: torch.Tensor) -> None:
+        """Write the rank mask into `mask_status` (`[R]` int32, 1 for a masked rank): the mask of the backend
+        that serves tensors on `mask_status`'s device (on CUDA it includes the ranks masked by timeouts)."""
+        self._rank_masks("low_latency_query_mask_buffer")
+        check.check_tensor("mask_status", mask_status, dtype=torch.int32, shape=(self.group_size,))
+        on_cuda = mask_status.is_cuda and self._cuda is not None and self.backend != "torch"
+        mask_status.copy_((self._cuda if on_cuda else self._torch).rank_mask())
+
+    def low_latency_clean_mask_buffer(self) -> None:
+        """Unmask every rank."""
+        for rank_mask in self._rank_masks("low_latency_clean_mask_buffer"):
+            rank_mask.zero_()
+
+    def _rank_masks(self, op: str) -> list[torch.Tensor]:
+        """The rank mask of every backend of this Buffer, for `op` (elastic mode only)."""
+        if self._destroyed:
+            raise RuntimeError("Buffer: used after destroy()")
+        self._require_low_latency(op)
+        if not self.enable_shrink:
+            raise ValueError(f"{op}: the Buffer was created with enable_shrink=False (elastic mode is off)")
+        return [backend.rank_mask() for backend in (self._cuda, self._torch) if backend is not None]
 
     # ------------------------------------------------------------------ DeepEP's internode entry points
 

@@ -55,7 +55,7 @@ MOE_EP_DEVICE bool send_metadata(const CombineArgs& a, const Context& c, const L
     const int64_t e = lane < a.num_topk ? __ldg(a.topk_idx + at) : -1;
     const float weight = lane < a.num_topk ? __ldg(a.topk_weights + at) : 0.0f;
     const int dst = rank_of_slot(e, a.num_experts, num_local);
-    const bool first = first_slot_of_rank(dst, lane);
+    const bool first = first_slot_of_rank(dst, lane) && !left_out(c, dst);
     const uint32_t firsts = __ballot_sync(kFullMask, first);
     const int64_t pair = static_cast<int64_t>(c.comm.rank) * a.max_tokens + t;  // (source, token) on the destination
     const int64_t entry_offset = op.meta + pair * kMetaBytes + lane * kMetaEntryBytes;
@@ -170,20 +170,23 @@ MOE_EP_DEVICE void reduce_partial_row(int4* dst, const int4* row, float weight, 
 // Loop 2, for one received row (local expert, source `src`, `token`): waits for the token's metadata;
 // if the row belongs to the token's first slot on this rank, reduces all of the token's local rows into
 // its partial row and delivers it to `src` (rows of the token's other slots are done). False when a
-// wait gave up.
+// wait gave up; in elastic mode a source left out is skipped.
 MOE_EP_DEVICE bool reduce_token(const CombineArgs& a, const Context& c, const Layout& L, const Phase& op,
                                 int local_expert, int src, int token, int lane, uint64_t& waited, bool& used_puts) {
     const int num_ranks = c.comm.num_ranks, rank = c.comm.rank;
     const int num_local = a.num_experts / num_ranks;
     const int64_t pair = static_cast<int64_t>(src) * a.max_tokens + token;
-    bool ok = true;
+    Arrival arrival = Arrival::kReady;
     if (lane == 0) {
         uint32_t unused;
-        ok = wait_signal(reinterpret_cast<const uint64_t*>(c.local + op.meta_flags) + pair, op.tag, c, unused, waited);
+        arrival = wait_signal(reinterpret_cast<const uint64_t*>(c.local + op.meta_flags) + pair, op.tag, c, src, unused,
+                              waited);
     }
     // __syncwarp orders lane 0's acquire before the other lanes' reads of the entries.
     __syncwarp();
-    if (!__shfl_sync(kFullMask, ok, 0)) return false;
+    arrival = static_cast<Arrival>(__shfl_sync(kFullMask, static_cast<int>(arrival), 0));
+    if (arrival != Arrival::kReady) return arrival == Arrival::kLeftOut;
+    bool ok = true;
     int expert = -1;
     float weight = 0.0f;
     if (lane < a.num_topk) {
@@ -281,25 +284,28 @@ MOE_EP_DEVICE void combine_recv(const CombineArgs& a, const Context& c, const La
             const int lane = threadIdx.x;
             const int64_t e = lane < a.num_topk ? __ldg(a.topk_idx + static_cast<int64_t>(t) * a.num_topk + lane) : -1;
             const int r = rank_of_slot(e, a.num_experts, num_local);
-            const bool first = first_slot_of_rank(r, lane);
-            // The position of r among the token's ranks in ascending order.
-            int position = 0;
-            if (num_ranks <= 32) {
-                const uint32_t ranks = __reduce_or_sync(kFullMask, first ? 1u << r : 0u);
-                position = first ? __popc(ranks & ((1u << r) - 1u)) : 0;
-            } else {
-                const int key = first ? r : INT_MAX;
-                for (int i = 0; i < 32; ++i) position += __shfl_sync(kFullMask, key, i) < key;
-            }
-            const int count = __popc(__ballot_sync(kFullMask, first));
+            bool present = first_slot_of_rank(r, lane);
             bool ok = true;
-            if (first) {
+            if (present) {
                 uint64_t waited = 0;
                 uint32_t unused;
-                ok = wait_signal(flags + static_cast<int64_t>(r) * a.max_tokens + t, op.tag, c, unused, waited);
+                const Arrival arrival =
+                    wait_signal(flags + static_cast<int64_t>(r) * a.max_tokens + t, op.tag, c, r, unused, waited);
                 add_wait(a.wait_stats, r, waited);
-                s_ranks[position] = r;
+                ok = arrival != Arrival::kFailed;
+                present = arrival == Arrival::kReady;  // elastic mode: ranks left out add nothing
             }
+            // The position of r among the token's ranks that take part, in ascending order.
+            int position = 0;
+            if (num_ranks <= 32) {
+                const uint32_t ranks = __reduce_or_sync(kFullMask, present ? 1u << r : 0u);
+                position = present ? __popc(ranks & ((1u << r) - 1u)) : 0;
+            } else {
+                const int key = present ? r : INT_MAX;
+                for (int i = 0; i < 32; ++i) position += __shfl_sync(kFullMask, key, i) < key;
+            }
+            const int count = __popc(__ballot_sync(kFullMask, present));
+            if (present) s_ranks[position] = r;
             const bool failed = __any_sync(kFullMask, !ok);
             if (lane == 0) {
                 s_failed = failed;

@@ -75,7 +75,7 @@ class CudaBackend(CommBackend):
         self._runtime.open_peers(handles)
         self._low_latency: Optional[LowLatencyRuntime] = None
         if low_latency_mode and num_rdma_bytes > 0:
-            self._low_latency = LowLatencyRuntime(group, rank, num_ranks, num_rdma_bytes)
+            self._low_latency = LowLatencyRuntime(group, rank, num_ranks, num_rdma_bytes, shrink=enable_shrink)
 
     def agree(self, op: str, fields: Mapping[str, int], local_error: Optional[Exception], device: torch.device) -> None:
         # No collective on the hot path: a rank that rejects its input raises here, its peers time out.
@@ -157,6 +157,9 @@ class CudaBackend(CommBackend):
 
     def clean_low_latency_buffer(self, num_max_dispatch_tokens_per_rank: int, hidden: int, num_experts: int) -> None:
         self._low_latency_runtime().clean_low_latency_buffer(num_max_dispatch_tokens_per_rank, hidden, num_experts)
+
+    def rank_mask(self) -> torch.Tensor:
+        return self._low_latency_runtime().rank_mask()
 
     def local_buffer(self, use_rdma_buffer: bool) -> torch.Tensor:
         """This rank's NVLink buffer, or with `use_rdma_buffer` its low-latency symmetric buffer, as uint8
