@@ -147,6 +147,8 @@ struct CombineArgs {
     int hidden;
     int max_tokens;
     int num_experts;
+    bool logfmt;                    // partial rows travel in LogFMT-10 (kernels/logfmt.cuh; hidden % 128 == 0,
+                                    // at most 8192; x is not the send region)
 };
 
 // A barrier of all ranks on `stream` with a timeout: signals every rank that this rank made its
@@ -165,5 +167,18 @@ cudaError_t launch_combine(const CombineArgs& args, const Context& ctx, const La
 
 // Blocks of a low-latency grid on `device`: one per SM, as many as can be resident together.
 int grid_blocks(int device);
+
+// LogFMT-10 (kernels/logfmt.cuh): the hidden sizes it supports are multiples of this many channels
+// (a block, one header word) up to this limit.
+constexpr int kLogfmtBlock = 128;
+constexpr int kLogfmtMaxHidden = 8192;
+
+// LogFMT-10, the combine's wire format, on its own (for tests): encode each BF16 row of `rows` [N, H]
+// into `wire` [N, 2H] (`compact` [N]: 1 for the LogFMT layout, 0 for the row's plain bytes; `nbytes`
+// [N]: the bytes written), and decode such rows back into BF16 `rows`.
+cudaError_t launch_logfmt_encode(const void* rows, void* wire, int* compact, int* nbytes, int num_rows, int hidden,
+                                 cudaStream_t stream);
+cudaError_t launch_logfmt_decode(const void* wire, const int* compact, void* rows, int num_rows, int hidden,
+                                 cudaStream_t stream);
 
 }  // namespace moe_ep::kernels::ll

@@ -537,7 +537,9 @@ class Buffer:
             topk_idx: `[T, k]` int64, routing every token as the dispatch behind `handle` did.
             topk_weights: `[T, k]` float32.
             handle: that dispatch's handle.
-            use_logfmt: must be False (the LogFMT wire format is not supported).
+            use_logfmt: the partial rows travel in LogFMT-10 (`moe_ep.ops.logfmt`: blocks of 128 channels
+                below 1 in magnitude as 10-bit log codes, about 0.64x the bytes of BF16; hidden a multiple
+                of 128 up to 8192; not with `zero_copy`); the receiver sums what it decodes.
             zero_copy: read the outputs from `get_next_low_latency_combine_buffer(handle)`, not `x`.
             async_finish, return_recv_hook: as in `low_latency_dispatch`.
             out: `[T, H]` bf16 receiving the result in place.

@@ -1,12 +1,15 @@
 """DeepEP V1 features of the CUDA low-latency mode against the torch backend on the same inputs: elastic
 mode (ranks masked by hand; a rank that starts an operation late is masked by timeout while the others
-finish without it, and rejoins once unmasked; a clean without one rank masks it), the Buffer's mask API
-and its buffer views. Worlds of 2-4 ranks: a GPU per rank over NCCL where there are enough GPUs, else
-NVSHMEM PEs sharing a GPU over gloo (correctness, not speed), as in test_low_latency_cuda.py.
+finish without it, and rejoins once unmasked; a clean without one rank masks it), the LogFMT-10 combine
+(its encoding bit for bit, the combine equal to the torch backend's), the Buffer's mask API and its
+buffer views. Worlds of 2-4 ranks: a GPU per rank over NCCL where there are enough GPUs, else NVSHMEM
+PEs sharing a GPU over gloo (correctness, not speed), as in test_low_latency_cuda.py.
 """
 
 from __future__ import annotations
 
+import importlib
+import importlib.util
 import time
 from dataclasses import asdict, replace
 
@@ -15,11 +18,15 @@ import torch
 import torch.distributed as dist
 
 import moe_ep
+from moe_ep.ops import fp8, logfmt
+from moe_ep.ops.backends.base import LowLatencyDispatchResult
 from moe_ep.ops.backends.cuda_low_latency import LowLatencyRuntime
 from moe_ep.ops.backends.torch_backend import TorchBackend
 from moe_ep.ops.config import low_latency_buffer_bytes
+from moe_ep.ops.requests import LowLatencyCombineRequest
 from dist_pool import DistPool, gpu_pool_backend, gpu_worlds
 from test_buffer_low_latency import Case
+from test_logfmt import _rows
 from test_low_latency_cuda import (CASES, MOST_SHARING, _assert_same_combine, _assert_same_dispatch, _combine,
                                    _dispatch, _inputs, needs_gpu)
 
@@ -92,16 +99,110 @@ def test_masked_ranks_match_torch(gpu_pool, world: int) -> None:
 
 @needs_gpu
 @pytest.mark.parametrize("world", gpu_worlds(3, most_sharing=MOST_SHARING))
-def test_masked_ranks_match_torch_over_nvshmem_puts(monkeypatch, world: int) -> None:
-    """The same over NVSHMEM puts to every peer (the multi-node path)."""
+def test_masks_and_logfmt_match_torch_over_nvshmem_puts(monkeypatch, world: int) -> None:
+    """Masks by hand and the LogFMT combine over NVSHMEM puts to every peer (the multi-node path)."""
     monkeypatch.setenv("MOE_EP_LOW_LATENCY_TRANSPORT", "nvshmem_puts")  # spawned workers inherit it
     pool = DistPool(world, gpu_pool_backend(world))
     try:
         cases = [asdict(c) for c in ELASTIC_CASES if c.name in ("bf16_h128_top1", "ue8m0_h7168_top8_hook_zero_copy")]
         outcomes = pool.run(_masked_by_hand, cases, MASKED[world], timeout=600)
+        logfmt_outcomes = pool.run(_logfmt_combines, [asdict(c) for c in LOGFMT_CASES], timeout=600)
     finally:
         pool.close()
     _check_masked_outcomes(outcomes, MASKED[world])
+    _check_logfmt_outcomes(logfmt_outcomes)
+
+
+# ------------------------------------------------------------------ LogFMT-10
+
+
+def _logfmt_modules() -> list:
+    names = ("moe_ep._low_latency_p2p", "moe_ep._low_latency")
+    return [pytest.param(name, marks=() if importlib.util.find_spec(name) else pytest.mark.skip(reason="not built"))
+            for name in names]
+
+
+@needs_gpu
+@pytest.mark.parametrize("module", _logfmt_modules())
+@pytest.mark.parametrize("hidden", [128, 1408, 7168, 8192])
+def test_logfmt_kernels_match_the_python_format(module: str, hidden: int) -> None:
+    """The kernels' encoder writes the bytes moe_ep.ops.logfmt writes, and decodes them to the same BF16."""
+    ext = importlib.import_module(module)
+    rows = _rows(hidden, 6, hidden)
+    want = logfmt.encode(rows)
+    wire, compact, nbytes = ext.ll_logfmt_encode(rows.cuda())
+    assert torch.equal(compact.cpu().bool(), want.compact) and torch.equal(nbytes.cpu().long(), want.nbytes)
+    assert torch.equal(wire.cpu(), want.wire)
+    decoded = ext.ll_logfmt_decode(want.wire.cuda(), want.compact.int().cuda(), hidden)
+    assert torch.equal(decoded.cpu().view(torch.int16),
+                       logfmt.decode(want.wire, want.compact, hidden).view(torch.int16))
+
+
+LOGFMT_CASES = [
+    Case("logfmt_h7168_top8_hook_out", hidden=7168, topk=8, use_fp8=True, hook=True, use_out=True),
+    Case("logfmt_h2048_top16_skewed", hidden=2048, topk=16, experts_per_rank=5, routing="skewed",
+         tokens=(12, 0, 7, 16), max_tokens=16),
+    Case("logfmt_h8192_top4", hidden=8192, topk=4),
+]
+
+
+def _small_expert_outputs(result: LowLatencyDispatchResult, rank: int) -> torch.Tensor:
+    """Fake experts whose outputs have expert-output magnitudes (mostly below 1, a wide range): most
+    blocks of the partial rows travel encoded."""
+    num_local, slots, hidden = result.recv_x.shape
+    rows = result.recv_x.reshape(-1, hidden)
+    if result.recv_x_scales is not None:
+        rows = fp8.per_token_cast_back(rows, result.recv_x_scales.reshape(num_local * slots, -1))
+    rows = rows.view(num_local, slots, hidden).float()
+    scale = (1 + (rank * num_local + torch.arange(num_local, device=rows.device)) / 16) / 64
+    return (rows * scale[:, None, None]).to(torch.bfloat16)
+
+
+def _logfmt_combine(backend, inputs, result: LowLatencyDispatchResult, c: Case, use_logfmt: bool) -> torch.Tensor:
+    y = _small_expert_outputs(result, dist.get_rank())
+    out = torch.full(inputs.x.shape, float("nan"), dtype=torch.bfloat16, device="cuda") if c.use_out else None
+    combined, hook = backend.low_latency_combine(LowLatencyCombineRequest(
+        y, inputs.topk_idx, inputs.topk_weights, result.handle, False, c.hook, out, None, use_logfmt))
+    if hook is not None:
+        hook()
+    return combined
+
+
+def _logfmt_combines(rank: int, world: int, cases: list[dict]) -> list[tuple[float, bool]]:
+    """Each case's LogFMT combine equals the torch backend's bit for bit, and stays close to the BF16
+    combine (returns its relative error and whether it differs at all)."""
+    num_bytes = max(low_latency_buffer_bytes(c["max_tokens"], c["hidden"], world, c["experts_per_rank"] * world)
+                    for c in cases)
+    cuda = LowLatencyRuntime(dist.group.WORLD, rank, world, num_bytes)
+    reference = TorchBackend(dist.group.WORLD, rank, world)
+    outcomes = []
+    for i, case in enumerate(cases):
+        c = Case(**case)
+        mine, num_experts = _inputs(c, world, rank, 800 + i)
+        got, _, _ = _dispatch(cuda, mine, c, num_experts, c.max_tokens)
+        want, _, _ = _dispatch(reference, mine, c, num_experts, c.max_tokens)
+        _assert_same_dispatch(got, want, c.max_tokens)
+        encoded = _logfmt_combine(cuda, mine, got, c, True)
+        _assert_same_combine(encoded, _logfmt_combine(reference, mine, want, c, True))
+        plain = _logfmt_combine(cuda, mine, got, c, False)
+        torch.cuda.synchronize()
+        error = float((encoded.float() - plain.float()).norm() / plain.float().norm().clamp(min=1e-30))
+        outcomes.append((error, not torch.equal(encoded, plain)))
+    torch.cuda.synchronize()
+    cuda.destroy()
+    return outcomes
+
+
+def _check_logfmt_outcomes(outcomes: list[list[tuple[float, bool]]]) -> None:
+    for per_rank in outcomes:
+        assert all(error < 1e-2 for error, _ in per_rank), per_rank
+    assert all(any(per_rank[i][1] for per_rank in outcomes) for i in range(len(outcomes[0])))
+
+
+@needs_gpu
+@pytest.mark.parametrize("world", gpu_worlds(2, 4, most_sharing=MOST_SHARING))
+def test_logfmt_combine_matches_torch(gpu_pool, world: int) -> None:
+    _check_logfmt_outcomes(gpu_pool(world).run(_logfmt_combines, [asdict(c) for c in LOGFMT_CASES], timeout=600))
 
 
 # ------------------------------------------------------------------ a rank that comes late

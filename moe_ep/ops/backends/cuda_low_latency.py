@@ -235,7 +235,8 @@ class LowLatencyRuntime:
         def launch(phases: int) -> None:
             _ext().ll_combine(self._runtime, r.x, r.zero_copy, handle.src_info, handle.layout_range, r.topk_idx,
                               r.topk_weights, combined, r.combine_wait_recv_cost_stats,
-                              handle.num_max_dispatch_tokens_per_rank, handle.hidden, handle.num_experts, phases)
+                              handle.num_max_dispatch_tokens_per_rank, handle.hidden, handle.num_experts, r.use_logfmt,
+                              phases)
 
         sizes = (handle.num_max_dispatch_tokens_per_rank, handle.hidden, handle.num_experts)
         return combined, self._run(sizes, launch, r.return_recv_hook)

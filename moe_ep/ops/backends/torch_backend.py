@@ -27,7 +27,7 @@ from typing import TYPE_CHECKING, Mapping, NamedTuple, Optional, Sequence
 import torch
 import torch.distributed as dist
 
-from .. import fp8, routing
+from .. import fp8, logfmt, routing
 from ..handles import DispatchHandle, LowLatencyHandle
 from ..requests import CombineRequest, DispatchRequest, LowLatencyCombineRequest, LowLatencyDispatchRequest
 from ..routing import DispatchLayout
@@ -426,6 +426,8 @@ class TorchBackend(CommBackend):
                 at = (rank_of_slot[present, slot], tokens[present])
                 partial[at] += topk_weights[present, slot, None] * y[pair_of_slot[present, slot]]
             partial = partial.to(torch.bfloat16)
+            if request.use_logfmt:  # what the receiver decodes of the partial rows sent in LogFMT-10
+                partial = logfmt.round_trip(partial.view(-1, x.size(-1))).view(partial.shape)
             acc = torch.zeros(num_tokens, x.size(-1), dtype=torch.float32, device=x.device)
             for rank in range(self.num_ranks):
                 acc += partial[rank].float()
