@@ -10,8 +10,10 @@ from __future__ import annotations
 
 import importlib
 import importlib.util
+import sys
 import time
 from dataclasses import asdict, replace
+from pathlib import Path
 
 import pytest
 import torch
@@ -30,6 +32,7 @@ from test_logfmt import _rows
 from test_low_latency_cuda import (CASES, MOST_SHARING, _assert_same_combine, _assert_same_dispatch, _combine,
                                    _dispatch, _inputs, needs_gpu)
 
+EXAMPLES = Path(__file__).resolve().parents[2] / "examples"
 ELASTIC_CASES = [c for c in CASES if c.name in ("bf16_h128_top1", "fp8_round_h2944_top8_hook",
                                                 "ue8m0_h7168_top8_hook_zero_copy", "bf16_h8192_top16_out")]
 MASKED = {2: [1], 3: [0], 4: [1, 3]}  # ranks masked by hand, per world size
@@ -304,6 +307,23 @@ def test_clean_masks_an_absent_rank(gpu_pool, world: int) -> None:
     for elapsed, status in outcomes[:-1]:
         assert status == [0] * (world - 1) + [1]
         assert 1.8 <= elapsed < 10, elapsed
+
+
+# ------------------------------------------------------------------ the DeepEP-style example
+
+
+def _deepep_style_example(rank: int, world: int) -> None:
+    """examples/deepep_style.py's per-rank program on the CUDA backend (it checks its own results)."""
+    sys.path.insert(0, str(EXAMPLES))
+    import deepep_style
+
+    deepep_style.run(rank, world, torch.device("cuda", torch.cuda.current_device()),
+                     deepep_style.parse_args(["--backend", "cuda"]))
+
+
+@needs_gpu
+def test_deepep_style_example_on_the_cuda_backend(gpu_pool) -> None:
+    gpu_pool(2).run(_deepep_style_example, timeout=300)
 
 
 # ------------------------------------------------------------------ the Buffer's mask API and buffer views
