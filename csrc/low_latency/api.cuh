@@ -103,6 +103,9 @@ struct State {
     int barrier_failed;    // set when a launch_barrier timed out
 };
 
+// Most ranks of a group in elastic mode (the kernels keep a bit per rank in shared memory).
+constexpr int kMaxElasticRanks = 1024;
+
 // Where this rank's kernels find the buffers of every rank.
 struct Context {
     uint8_t* local;              // this rank's symmetric buffer

@@ -72,6 +72,10 @@ NvshmemRuntime::NvshmemRuntime(int rank, int num_ranks, int64_t num_bytes, doubl
         throw std::runtime_error("low-latency mode: NVSHMEM is not initialised for rank " + std::to_string(rank) +
                                  " of " + std::to_string(num_ranks));
     if (num_bytes_ <= 0) throw std::invalid_argument("num_rdma_bytes: low-latency mode needs a positive size");
+    if (shrink && num_ranks > kernels::ll::kMaxElasticRanks)
+        throw std::invalid_argument("enable_shrink: elastic mode serves at most " +
+                                    std::to_string(kernels::ll::kMaxElasticRanks) + " ranks, got " +
+                                    std::to_string(num_ranks));
     cuda_check(cudaGetDevice(&device_), "cudaGetDevice");
     base_ = static_cast<uint8_t*>(nvshmem_align(kSymmetricBufferAlignment, static_cast<size_t>(num_bytes_)));
     if (base_ == nullptr)

@@ -51,7 +51,7 @@ MOE_EP_DEVICE int slot_positions(const int16_t* s_ids, int token_entry, uint32_t
 // per message. Returns whether puts were issued.
 template <Mode kMode>
 MOE_EP_DEVICE bool send_rows(const DispatchArgs& a, const Context& c, const Layout& L, const Phase& op,
-                             const int16_t* s_ids, int count_warps, int lane) {
+                             const int16_t* s_ids, const LeftOutSnapshot& left_out_ranks, int count_warps, int lane) {
     const int num_ranks = c.comm.num_ranks, rank = c.comm.rank;
     const int num_local = a.num_experts / num_ranks;
     // Items split by rank only while they fill at most half of the largest teams: a row cast once for
@@ -66,7 +66,7 @@ MOE_EP_DEVICE bool send_rows(const DispatchArgs& a, const Context& c, const Layo
         const int token = item / parts, part = item % parts;
         const int expert = lane < a.num_topk ? s_ids[token * a.num_topk + lane] : -1;
         const int dst = expert >= 0 ? expert / num_local : -1;
-        const bool in_item = expert >= 0 && (parts == 1 || dst == part) && !left_out(c, dst);
+        const bool in_item = expert >= 0 && (parts == 1 || dst == part) && !left_out_ranks(dst);
         const uint32_t valid = __ballot_sync(kFullMask, in_item);
         if (valid == 0) continue;
         // One lane per destination rank: the first slot with an expert there. (Every lane must take part
@@ -126,7 +126,8 @@ MOE_EP_DEVICE void dispatch_send(const DispatchArgs& a, const Context& c, const 
         const int64_t e = a.topk_idx[i];
         s_ids[i] = static_cast<int16_t>(e >= 0 && e < a.num_experts ? e : -1);
     }
-    __syncthreads();
+    __shared__ LeftOutSnapshot left_out_ranks;
+    left_out_ranks.fill(c);  // synchronizes the block (s_ids too)
 
     const WarpSchedule ws = WarpSchedule::make();
     const int lane = ws.lane;
@@ -135,7 +136,7 @@ MOE_EP_DEVICE void dispatch_send(const DispatchArgs& a, const Context& c, const 
         // Every (expert, source) pair gets a count, zero included: receivers wait for all of them. A
         // count guards no data (each message has its own flag), so it needs no release.
         const int count = count_expert(s_ids, entries, item, lane);
-        if (lane == 0 && !left_out(c, item / num_local)) {
+        if (lane == 0 && !left_out_ranks(item / num_local)) {
             const int dst = item / num_local;
             const int64_t offset = op.counts + (static_cast<int64_t>(item % num_local) * num_ranks + rank) * 8;
             const uint64_t signal = make_signal(op.tag, static_cast<uint32_t>(count));
@@ -150,7 +151,7 @@ MOE_EP_DEVICE void dispatch_send(const DispatchArgs& a, const Context& c, const 
 
     // The teams start after the warps that had a count item, so that no row waits for a count.
     const int count_warps = min(ceil_div(a.num_experts, static_cast<int>(gridDim.x)), kWarps - 1);
-    if (send_rows<kMode>(a, c, L, op, s_ids, count_warps, lane)) used_puts = true;
+    if (send_rows<kMode>(a, c, L, op, s_ids, left_out_ranks, count_warps, lane)) used_puts = true;
     if (used_puts) complete_puts();
 }
 

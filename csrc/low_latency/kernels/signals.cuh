@@ -26,6 +26,23 @@ MOE_EP_DEVICE bool left_out(const Context& c, int peer) {
     return c.mask != nullptr && (ld_volatile(c.mask + peer) != 0 || ld_volatile(c.mask + c.comm.rank) != 0);
 }
 
+// The ranks this rank leaves out, read once by a block into shared memory (bit r of word r / 32), so that
+// all of its warps decide alike while a timeout elsewhere changes the mask (warps of a team meet at a
+// barrier). Fills and synchronizes the block; all zero without elastic mode.
+struct LeftOutSnapshot {
+    uint32_t words[kMaxElasticRanks / 32];
+    MOE_EP_DEVICE void fill(const Context& c) {
+        for (int w = threadIdx.x; w < (c.comm.num_ranks + 31) / 32; w += blockDim.x) {
+            uint32_t word = 0;
+            for (int b = 0; b < 32 && 32 * w + b < c.comm.num_ranks; ++b)
+                word |= (left_out(c, 32 * w + b) ? 1u : 0u) << b;
+            words[w] = word;
+        }
+        __syncthreads();
+    }
+    MOE_EP_DEVICE bool operator()(int rank) const { return (words[rank / 32] >> (rank % 32)) & 1u; }
+};
+
 enum class Arrival { kReady, kLeftOut, kFailed };
 
 // Spins until `ready()` holds for something `peer` sends. Without elastic mode this is `wait_until`: a
