@@ -24,9 +24,13 @@ slots), FP8 dispatch and BF16 combine, with `num_max_dispatch_tokens_per_rank = 
   * NCCL all_to_all_single moving the same messages between the same ranks (uint8 rows), timed both
     ways like the pair above (`nccl_*_bytes_us`, `nccl_*_bytes_queued_us`), in the same run;
   * `module`: the low-latency extension that ran (`moe_ep._low_latency_p2p` on one host with P2P,
-    `moe_ep._low_latency` otherwise or with MOE_EP_LOW_LATENCY_TRANSPORT=nvshmem).
+    `moe_ep._low_latency` otherwise or with MOE_EP_LOW_LATENCY_TRANSPORT=nvshmem);
+  * with `--logfmt`: the combine again with `use_logfmt=True` (`logfmt_combine_us`, its hook send and
+    receive kernels, `logfmt_over_bf16_combine` the ratio of kernel times), the expert outputs then
+    having expert-output magnitudes (Gaussian, 0.02) so that LogFMT encodes their blocks, and
+    `logfmt_bytes_ratio` the bytes of those rows in LogFMT-10 over their BF16 bytes.
 
-    python benchmarks/bench_low_latency.py --out /tmp/low_latency.json [--tokens 128 1 512]
+    python benchmarks/bench_low_latency.py --out /tmp/low_latency.json [--tokens 128 1 512] [--logfmt]
 """
 
 from __future__ import annotations
@@ -44,9 +48,11 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 from moe_ep.launch import free_port
+from moe_ep.ops import logfmt
 from moe_ep.ops.backends import cuda_low_latency
 from moe_ep.ops.backends.cuda_low_latency import LowLatencyRuntime
 from moe_ep.ops.config import low_latency_buffer_bytes
+from moe_ep.ops.requests import LowLatencyCombineRequest, LowLatencyDispatchRequest
 from timing import hold_then_start_in_step, median_time_us, queued_time_us, slowest_rank
 
 
@@ -129,22 +135,24 @@ def _measure(runtime: LowLatencyRuntime, tokens: int, args: argparse.Namespace) 
     num_local, slots = num_experts // world, world * tokens
 
     def dispatch(hook: bool):
-        return runtime.low_latency_dispatch(x, topk_idx, tokens, num_experts, None, None, True, False, False, hook)
+        return runtime.low_latency_dispatch(LowLatencyDispatchRequest(x, topk_idx, tokens, num_experts, None, None,
+                                                                      True, False, False, hook))
 
     first, _ = dispatch(False)
-    y = torch.randn(num_local, slots, hidden, device="cuda").to(torch.bfloat16)
+    y = (torch.randn(num_local, slots, hidden, device="cuda") * (0.02 if args.logfmt else 1.0)).to(torch.bfloat16)
 
-    def combine(handle, hook: bool):
-        return runtime.low_latency_combine(y, topk_idx, topk_weights, handle, False, hook, None, None)
+    def combine(handle, hook: bool, use_logfmt: bool = False):
+        return runtime.low_latency_combine(LowLatencyCombineRequest(y, topk_idx, topk_weights, handle, False, hook,
+                                                                    None, None, use_logfmt))
 
-    def pair() -> None:
+    def pair(use_logfmt: bool = False) -> None:
         result, _ = dispatch(False)
-        combine(result.handle, False)
+        combine(result.handle, False, use_logfmt)
 
-    def hooked_pair() -> None:
+    def hooked_pair(use_logfmt: bool = False) -> None:
         result, recv = dispatch(True)
         recv()
-        _, combine_recv = combine(result.handle, True)
+        _, combine_recv = combine(result.handle, True, use_logfmt)
         combine_recv()
 
     dispatch_us, combine_us = _kernel_times_us(pair, args.warmup, args.iters, ["dispatch", "combine"])
@@ -152,6 +160,16 @@ def _measure(runtime: LowLatencyRuntime, tokens: int, args: argparse.Namespace) 
                                                            queued=False)
     send_us, recv_us, combine_send_us, combine_recv_us = _kernel_times_us(
         hooked_pair, args.warmup, args.iters, ["dispatch send", "dispatch recv", "combine send", "combine recv"])
+    logfmt_row = {}
+    if args.logfmt:
+        _, logfmt_combine_us = _kernel_times_us(lambda: pair(True), args.warmup, args.iters, ["dispatch", "combine"])
+        _, _, logfmt_send_us, logfmt_recv_us = _kernel_times_us(
+            lambda: hooked_pair(True), args.warmup, args.iters,
+            ["dispatch send", "dispatch recv", "combine send", "combine recv"])
+        encoded = logfmt.encode(y.view(-1, hidden))
+        logfmt_row = {"logfmt_combine_us": logfmt_combine_us, "logfmt_over_bf16_combine": logfmt_combine_us / combine_us,
+                      "logfmt_hook_combine_send_us": logfmt_send_us, "logfmt_hook_combine_recv_us": logfmt_recv_us,
+                      "logfmt_bytes_ratio": float(encoded.nbytes.double().mean()) / (2 * hidden)}
 
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph, capture_error_mode="thread_local"):  # the NCCL watchdog thread runs on
@@ -190,6 +208,7 @@ def _measure(runtime: LowLatencyRuntime, tokens: int, args: argparse.Namespace) 
         "hook_combine_send_gbps": (combine_rows * combine_msg + meta_bytes) / combine_send_us / 1e3,
         "hook_combine_send_messages_gbps": remote * combine_msg / combine_send_us / 1e3,
         **nccl,
+        **logfmt_row,
     }
 
 
@@ -224,6 +243,8 @@ def main() -> None:
     parser.add_argument("--warmup", type=int, default=20)
     parser.add_argument("--iters", type=int, default=50)
     parser.add_argument("--out", required=True, help="JSON results path")
+    parser.add_argument("--logfmt", action="store_true",
+                        help="also time the combine with use_logfmt=True (expert outputs of magnitude 0.02)")
     args = parser.parse_args()
     if torch.cuda.device_count() < args.world:
         sys.exit(f"needs {args.world} GPUs, found {torch.cuda.device_count()}")

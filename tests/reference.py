@@ -224,11 +224,14 @@ def low_latency_expert_output(rows: torch.Tensor, global_expert: int) -> torch.T
 
 
 def low_latency_combine_reference(inputs: list[RankInputs], me: int, num_experts: int,
-                                  expert_rows: Callable[[int, int, int], torch.Tensor]) -> torch.Tensor:
+                                  expert_rows: Callable[[int, int, int], torch.Tensor],
+                                  transport: Callable[[torch.Tensor], torch.Tensor] = lambda partial: partial
+                                  ) -> torch.Tensor:
     """Low-latency combine of rank `me`'s tokens, written out: for every rank `r` hosting some of token
     `t`'s slots, `P = bf16(sum over those slots j in slot order of w[t, j] * y_j)` in float32; then
-    `bf16(sum over r ascending of float(P))`. `expert_rows(t, j, e)` is `y_j`, the bf16 row expert `e`
-    returned for slot `j` of token `t`."""
+    `bf16(sum over r ascending of float(transport(P)))`. `expert_rows(t, j, e)` is `y_j`, the bf16 row
+    expert `e` returned for slot `j` of token `t`; `transport` is what the receiver gets of a partial
+    row (itself, or its LogFMT round trip)."""
     world = len(inputs)
     per_rank = num_experts // world
     mine = inputs[me]
@@ -243,6 +246,6 @@ def low_latency_combine_reference(inputs: list[RankInputs], me: int, num_experts
             partial = torch.zeros(mine.x.size(1))
             for j, e in slots:
                 partial = partial + mine.topk_weights[t, j] * expert_rows(t, j, e).float()
-            acc = acc + partial.to(torch.bfloat16).float()
+            acc = acc + transport(partial.to(torch.bfloat16)).float()
         out[t] = acc
     return out.to(torch.bfloat16)

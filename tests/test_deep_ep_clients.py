@@ -403,9 +403,15 @@ def _vllm_low_latency(rank: int, world: int) -> None:
     num_experts = per_rank * world
     inputs = make_inputs(83 + world, world, tokens_for((5, 8, 3), world), hidden, num_experts, topk, mask_prob=0.0)
     mine, ref = inputs[rank], low_latency_reference(inputs, rank, num_experts)
-    with pytest.raises(ValueError, match="enable_shrink: DeepEP's shrink mode"):
-        client_calls.vllm_ll_buffer(deep_ep, dist.group.WORLD, max_tokens, hidden, world, num_experts, per_rank,
-                                    enable_fault_tolerance=True)
+    # vLLM's fault tolerance: elastic mode, whose mask it queries and cleans.
+    tolerant = client_calls.vllm_ll_buffer(deep_ep, dist.group.WORLD, max_tokens, hidden, world, num_experts,
+                                           per_rank, enable_fault_tolerance=True)
+    mask = torch.full((world,), -1, dtype=torch.int32)
+    tolerant.low_latency_query_mask_buffer(mask)
+    assert mask.tolist() == [0] * world
+    assert tolerant.get_local_buffer_tensor(dtype=torch.int8, use_rdma_buffer=True).numel() == tolerant.num_rdma_bytes
+    tolerant.low_latency_clean_mask_buffer()
+    tolerant.destroy()
     buffer = client_calls.vllm_ll_buffer(deep_ep, dist.group.WORLD, max_tokens, hidden, world, num_experts, per_rank)
     for use_fp8, ue8m0 in ((False, False), (True, False), (True, True)):
         expert_x, expert_num_tokens, handle = client_calls.vllm_ll_prepare(buffer, mine.x, mine.topk_idx, max_tokens,
@@ -448,8 +454,12 @@ def _sglang_auto_mode(rank: int, world: int) -> None:
     hidden, per_rank, topk, max_tokens = 256, 2, 3, 16
     num_experts = per_rank * world
     configs = client_calls.sglang_configs(deep_ep, client_calls.SGLANG_DEEPEP_CONFIG)
+    # SGLang passes use_fabric=True on machines with multi-node NVLink, which moe_ep does not support yet.
+    with pytest.raises(ValueError, match="use_fabric: fabric memory handles"):
+        client_calls.sglang_buffer_auto_mode(deep_ep, dist.group.WORLD, hidden, 2, max_tokens, num_experts, configs,
+                                             use_fabric=True)
     buffer = client_calls.sglang_buffer_auto_mode(deep_ep, dist.group.WORLD, hidden, 2, max_tokens, num_experts,
-                                                  configs, use_fabric=world == 3)
+                                                  configs, use_fabric=False)
 
     inputs = make_inputs(97 + world, world, tokens_for((11, 30, 4), world), hidden, num_experts, topk, mask_prob=0.0)
     mine, ref = inputs[rank], dispatch_reference(inputs, rank, num_experts, 128, 1)

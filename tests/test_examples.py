@@ -57,3 +57,10 @@ def test_finetune_hf_moe(tmp_path: Path) -> None:
                "--out-dir", tmp_path / "tuned")
     assert "2 MoE blocks on 2 ranks" in out
     assert (tmp_path / "tuned" / "config.json").exists()
+
+
+def test_deepep_style_program() -> None:
+    """examples/deepep_style.py: DeepEP-style normal and low-latency mode (hooks, cached dispatch, elastic
+    mode, LogFMT) on the torch backend; the script checks its own results."""
+    out = _run(EXAMPLES / "deepep_style.py", "--world", "2")
+    assert out.strip().endswith("OK") and "rank 1 masked" in out

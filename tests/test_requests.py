@@ -91,7 +91,10 @@ def test_low_latency_requests() -> None:
     combine = validation.low_latency_combine_request(y, topk_idx, weights, handle, False, True, False, False, None,
                                                      None, RANKS)
     assert isinstance(combine.handle, LowLatencyHandle) and combine.zero_copy
-    assert combine.agreed() == {"hidden": HIDDEN, "num_experts": EXPERTS, "num_max_dispatch_tokens_per_rank": 16}
-    with pytest.raises(ValueError, match="use_logfmt: the LogFMT wire format is not supported"):
-        validation.low_latency_combine_request(y, topk_idx, weights, handle, True, False, False, False, None, None,
+    assert combine.agreed() == {"hidden": HIDDEN, "num_experts": EXPERTS, "num_max_dispatch_tokens_per_rank": 16,
+                                "use_logfmt": 0}
+    assert validation.low_latency_combine_request(y, topk_idx, weights, handle, True, False, False, False, None, None,
+                                                  RANKS).use_logfmt
+    with pytest.raises(ValueError, match="use_logfmt: cannot be combined with zero_copy"):
+        validation.low_latency_combine_request(y, topk_idx, weights, handle, True, True, False, False, None, None,
                                                RANKS)

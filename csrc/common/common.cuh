@@ -87,6 +87,10 @@ MOE_EP_DEVICE void st_relaxed_gpu_u64(uint64_t* ptr, uint64_t v) {
     asm volatile("st.relaxed.gpu.global.u64 [%0], %1;" ::"l"(ptr), "l"(v) : "memory");
 }
 
+MOE_EP_DEVICE void st_release_gpu_u64(uint64_t* ptr, uint64_t v) {
+    asm volatile("st.release.gpu.global.u64 [%0], %1;" ::"l"(ptr), "l"(v) : "memory");
+}
+
 // Orders generic-proxy global accesses against later bulk-copy (async proxy) accesses and back.
 MOE_EP_DEVICE void fence_proxy_async_global() { asm volatile("fence.proxy.async.global;" ::: "memory"); }
 // Makes generic writes to shared memory visible to a later bulk copy reading them.

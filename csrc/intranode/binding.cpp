@@ -377,7 +377,12 @@ PYBIND11_MODULE(_C, m) {
         .def("check_usable", &NvlRuntime::check_usable)
         .def("last_combine_path", &NvlRuntime::last_combine_path)
         .def("destroy", &NvlRuntime::destroy)
-        .def_property_readonly("data_bytes", &NvlRuntime::data_bytes);
+        .def_property_readonly("data_bytes", &NvlRuntime::data_bytes)
+        // Buffer.get_local_buffer_tensor: the data region as uint8, a view valid while the runtime lives.
+        .def("local_buffer", [](const NvlRuntime& rt) {
+            return torch::from_blob(rt.data(), {rt.data_bytes()},
+                                    torch::dtype(torch::kUInt8).device(torch::kCUDA, rt.device()));
+        });
     m.def("get_dispatch_layout", &moe_ep::get_dispatch_layout);
     m.def("dispatch", &moe_ep::dispatch);
     m.def("cached_dispatch", &moe_ep::cached_dispatch);

@@ -33,6 +33,8 @@ class NvlRuntime {
     // SMs of the device (read once: every launch checks its grid against it).
     int device_sms() const { return device_sms_; }
     int64_t data_bytes() const { return data_bytes_; }
+    // This rank's data region (data_bytes() bytes; the control area follows it).
+    uint8_t* data() const { return base_; }
     // Launch context with CommContext::pipeline_lag (Config.pipeline_lag, 0 for the kernels' defaults).
     kernels::CommContext comm(int pipeline_lag = 0) const;
 

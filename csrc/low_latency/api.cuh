@@ -16,6 +16,15 @@
 // also waits for its peers' send phase of the same operation (the top-k weights the experts' ranks
 // need to reduce a token's rows before sending them back); every rank runs the send phases in the same
 // order, and each phase makes all of its stores before its first wait, so this never forms a cycle.
+//
+// Elastic mode (`Context::mask` set, Buffer(enable_shrink=True)): a device array of one word per rank,
+// nonzero for a rank this rank leaves out. Nothing is stored to a rank left out (acknowledgements and
+// barrier signals excepted: they are counters that a rank rejoining later needs), and no wait is made
+// for one; a rank whose own word is set leaves every rank out (it sends and receives nothing). A wait
+// for a peer that gives up after the timeout sets the peer's word and goes on instead of failing. A
+// dispatch's receive phase first decides, once per source, whether that source takes part (all of its
+// counts arrived, or it is left out): every warp packs the rows by these verdicts, so that a source
+// masked while some warps had already read its counts cannot make them disagree on the layout.
 #pragma once
 
 #include <cstdint>
@@ -94,6 +103,9 @@ struct State {
     int barrier_failed;    // set when a launch_barrier timed out
 };
 
+// Most ranks of a group in elastic mode (the kernels keep a bit per rank in shared memory).
+constexpr int kMaxElasticRanks = 1024;
+
 // Where this rank's kernels find the buffers of every rank.
 struct Context {
     uint8_t* local;              // this rank's symmetric buffer
@@ -101,6 +113,9 @@ struct Context {
     State* state;                // device memory
     CommContext comm;            // rank, num_ranks, mapped host flags, timeout (peers unused)
     int num_blocks;              // grid size: every block must be resident at once (cooperative launch)
+    int* mask;                   // elastic mode: device array [R], nonzero = rank left out; null otherwise
+    uint64_t* verdicts;          // elastic mode: device array [R], per source of the current dispatch receive
+                                 // (tag << 32 | 1 taking part, 2 left out)
 };
 
 struct DispatchArgs {
@@ -135,6 +150,8 @@ struct CombineArgs {
     int hidden;
     int max_tokens;
     int num_experts;
+    bool logfmt;                    // partial rows travel in LogFMT-10 (kernels/logfmt.cuh; hidden % 128 == 0,
+                                    // at most 8192; x is not the send region)
 };
 
 // A barrier of all ranks on `stream` with a timeout: signals every rank that this rank made its
@@ -153,5 +170,18 @@ cudaError_t launch_combine(const CombineArgs& args, const Context& ctx, const La
 
 // Blocks of a low-latency grid on `device`: one per SM, as many as can be resident together.
 int grid_blocks(int device);
+
+// LogFMT-10 (kernels/logfmt.cuh): the hidden sizes it supports are multiples of this many channels
+// (a block, one header word) up to this limit.
+constexpr int kLogfmtBlock = 128;
+constexpr int kLogfmtMaxHidden = 8192;
+
+// LogFMT-10, the combine's wire format, on its own (for tests): encode each BF16 row of `rows` [N, H]
+// into `wire` [N, 2H] (`compact` [N]: 1 for the LogFMT layout, 0 for the row's plain bytes; `nbytes`
+// [N]: the bytes written), and decode such rows back into BF16 `rows`.
+cudaError_t launch_logfmt_encode(const void* rows, void* wire, int* compact, int* nbytes, int num_rows, int hidden,
+                                 cudaStream_t stream);
+cudaError_t launch_logfmt_decode(const void* wire, const int* compact, void* rows, int num_rows, int hidden,
+                                 cudaStream_t stream);
 
 }  // namespace moe_ep::kernels::ll

@@ -124,14 +124,25 @@ void dispatch(NvshmemRuntime& rt, const Tensor& x, const Tensor& topk_idx, const
     launch_check(ll::launch_dispatch(a, rt.context(), layout, static_cast<int>(phases), stream), "low-latency dispatch");
 }
 
+void check_logfmt_hidden(int64_t hidden) {
+    TORCH_CHECK_VALUE(hidden % ll::kLogfmtBlock == 0 && hidden <= ll::kLogfmtMaxHidden,
+                      "use_logfmt: LogFMT needs a hidden size that is a multiple of ", ll::kLogfmtBlock,
+                      " up to ", ll::kLogfmtMaxHidden, ", got ", hidden);
+}
+
 void combine(NvshmemRuntime& rt, const Tensor& x, bool zero_copy, const Tensor& src_info, const Tensor& layout_range,
              const Tensor& topk_idx, const Tensor& topk_weights, const Tensor& out, const optional<Tensor>& wait_stats,
-             int64_t max_tokens, int64_t hidden, int64_t num_experts, int64_t phases) {
+             int64_t max_tokens, int64_t hidden, int64_t num_experts, bool logfmt, int64_t phases) {
     rt.check_usable();
     const int device = rt.device();
     const int64_t num_ranks = rt.num_ranks(), slots = num_ranks * max_tokens;
     const int64_t num_local = check_sizes(rt, topk_idx, max_tokens, hidden, num_experts);
     const int64_t num_tokens = topk_idx.size(0);
+    if (logfmt) {
+        // A LogFMT combine stages its partial rows in the send region, which a zero-copy combine reads.
+        TORCH_CHECK_VALUE(!zero_copy, "use_logfmt: cannot be combined with zero_copy");
+        check_logfmt_hidden(hidden);
+    }
     if (!zero_copy) check_dense(x, "x", at::kBFloat16, {num_local, slots, hidden}, device);
     check_dense(src_info, "handle.src_info", at::kInt, {num_local, slots}, device);
     check_dense(layout_range, "handle.layout_range", at::kLong, {num_local, num_ranks}, device);
@@ -154,6 +165,7 @@ void combine(NvshmemRuntime& rt, const Tensor& x, bool zero_copy, const Tensor& 
     a.hidden = static_cast<int>(hidden);
     a.max_tokens = static_cast<int>(max_tokens);
     a.num_experts = static_cast<int>(num_experts);
+    a.logfmt = logfmt;
     launch_check(ll::launch_combine(a, rt.context(), layout, static_cast<int>(phases), stream), "low-latency combine");
 }
 
@@ -164,6 +176,52 @@ Tensor send_buffer(const NvshmemRuntime& rt, int64_t max_tokens, int64_t hidden,
     const int64_t num_ranks = rt.num_ranks();
     return torch::from_blob(rt.send_region(layout), {num_experts / num_ranks, num_ranks * max_tokens, hidden},
                             torch::dtype(torch::kBFloat16).device(torch::kCUDA, rt.device()));
+}
+
+// LogFMT-10 on its own (tests): `rows` [N, H] bf16 -> (wire [N, 2H] uint8, zero past each row's bytes;
+// compact [N] int32, 1 for the LogFMT layout; nbytes [N] int32).
+py::tuple logfmt_encode(const Tensor& rows) {
+    TORCH_CHECK_VALUE(rows.is_cuda() && rows.dim() == 2 && rows.is_contiguous(),
+                      "rows: expected a contiguous [N, H] CUDA tensor");
+    TORCH_CHECK_TYPE(rows.scalar_type() == at::kBFloat16, "rows: expected bfloat16, got ", rows.scalar_type());
+    const int64_t num_rows = rows.size(0), hidden = rows.size(1);
+    check_logfmt_hidden(hidden);
+    const auto options = rows.options();
+    Tensor wire = torch::zeros({num_rows, 2 * hidden}, options.dtype(at::kByte));
+    Tensor compact = torch::empty({num_rows}, options.dtype(at::kInt));
+    Tensor nbytes = torch::empty({num_rows}, options.dtype(at::kInt));
+    launch_check(ll::launch_logfmt_encode(rows.data_ptr(), wire.data_ptr(), compact.data_ptr<int>(),
+                                          nbytes.data_ptr<int>(), static_cast<int>(num_rows), static_cast<int>(hidden),
+                                          at::cuda::getCurrentCUDAStream(rows.get_device()).stream()),
+                 "LogFMT encode");
+    return py::make_tuple(wire, compact, nbytes);
+}
+
+// LogFMT-10 on its own (tests): wire rows [N, >= 2H] uint8 and their formats [N] int32 -> [N, H] bf16.
+Tensor logfmt_decode(const Tensor& wire, const Tensor& compact, int64_t hidden) {
+    check_logfmt_hidden(hidden);
+    TORCH_CHECK_VALUE(wire.is_cuda() && wire.dim() == 2 && wire.size(1) == 2 * hidden && wire.is_contiguous(),
+                      "wire: expected a contiguous [N, 2 * hidden] CUDA tensor");
+    TORCH_CHECK_TYPE(wire.scalar_type() == at::kByte, "wire: expected uint8, got ", wire.scalar_type());
+    check_dense(compact, "compact", at::kInt, {wire.size(0)}, wire.get_device());
+    Tensor rows = torch::empty({wire.size(0), hidden}, wire.options().dtype(at::kBFloat16));
+    launch_check(ll::launch_logfmt_decode(wire.data_ptr(), compact.data_ptr<int>(), rows.data_ptr(),
+                                          static_cast<int>(wire.size(0)), static_cast<int>(hidden),
+                                          at::cuda::getCurrentCUDAStream(wire.get_device()).stream()),
+                 "LogFMT decode");
+    return rows;
+}
+
+// Elastic mode: the rank mask [R] int32 that the kernels read and set (valid while the runtime lives).
+Tensor rank_mask(const NvshmemRuntime& rt) {
+    TORCH_CHECK_VALUE(rt.mask() != nullptr, "the low-latency runtime was created without elastic mode (shrink)");
+    return torch::from_blob(rt.mask(), {rt.num_ranks()}, torch::dtype(torch::kInt32).device(torch::kCUDA, rt.device()));
+}
+
+// Buffer.get_local_buffer_tensor(use_rdma_buffer=True): the whole symmetric buffer as uint8 (valid while
+// the runtime lives).
+Tensor local_buffer(const NvshmemRuntime& rt) {
+    return torch::from_blob(rt.base(), {rt.num_bytes()}, torch::dtype(torch::kUInt8).device(torch::kCUDA, rt.device()));
 }
 
 }  // namespace
@@ -187,8 +245,9 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
     });
     // Module-local: both low-latency modules bind this C++ type, and one process may import both.
     py::class_<NvshmemRuntime>(m, "NvshmemRuntime", py::module_local())
-        .def(py::init<int, int, int64_t, double, bool, int>(), py::arg("rank"), py::arg("num_ranks"),
-             py::arg("num_bytes"), py::arg("timeout_s"), py::arg("puts_only") = false, py::arg("ranks_per_node") = 0,
+        .def(py::init<int, int, int64_t, double, bool, bool, int>(), py::arg("rank"), py::arg("num_ranks"),
+             py::arg("num_bytes"), py::arg("timeout_s"), py::arg("puts_only") = false, py::arg("shrink") = false,
+             py::arg("ranks_per_node") = 0,
              py::call_guard<py::gil_scoped_release>())
         .def_static("unique_id_bytes", &NvshmemRuntime::unique_id_bytes)
         .def_static("create_unique_id", [] { return py::bytes(NvshmemRuntime::create_unique_id()); })
@@ -208,6 +267,10 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
     m.def("ll_dispatch", &moe_ep::dispatch);
     m.def("ll_combine", &moe_ep::combine);
     m.def("ll_send_buffer", &moe_ep::send_buffer);
+    m.def("ll_local_buffer", &moe_ep::local_buffer);
+    m.def("ll_rank_mask", &moe_ep::rank_mask);
+    m.def("ll_logfmt_encode", &moe_ep::logfmt_encode);
+    m.def("ll_logfmt_decode", &moe_ep::logfmt_decode);
 #ifndef MOE_EP_LL_P2P_ONLY
     moe_ep::register_internode(m);
 #endif

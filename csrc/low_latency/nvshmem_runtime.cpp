@@ -61,7 +61,7 @@ void NvshmemRuntime::init(const std::string& unique_id, int rank, int num_ranks)
 }
 
 NvshmemRuntime::NvshmemRuntime(int rank, int num_ranks, int64_t num_bytes, double timeout_s, bool puts_only,
-                               int ranks_per_node)
+                               bool shrink, int ranks_per_node)
     : rank_(rank), num_ranks_(num_ranks), num_bytes_(kernels::align_buffer_bytes(num_bytes)), timeout_s_(timeout_s) {
 #ifdef MOE_EP_LL_P2P_ONLY
     if (puts_only)
@@ -72,6 +72,10 @@ NvshmemRuntime::NvshmemRuntime(int rank, int num_ranks, int64_t num_bytes, doubl
         throw std::runtime_error("low-latency mode: NVSHMEM is not initialised for rank " + std::to_string(rank) +
                                  " of " + std::to_string(num_ranks));
     if (num_bytes_ <= 0) throw std::invalid_argument("num_rdma_bytes: low-latency mode needs a positive size");
+    if (shrink && num_ranks > kernels::ll::kMaxElasticRanks)
+        throw std::invalid_argument("enable_shrink: elastic mode serves at most " +
+                                    std::to_string(kernels::ll::kMaxElasticRanks) + " ranks, got " +
+                                    std::to_string(num_ranks));
     cuda_check(cudaGetDevice(&device_), "cudaGetDevice");
     base_ = static_cast<uint8_t*>(nvshmem_align(kSymmetricBufferAlignment, static_cast<size_t>(num_bytes_)));
     if (base_ == nullptr)
@@ -96,6 +100,12 @@ NvshmemRuntime::NvshmemRuntime(int rank, int num_ranks, int64_t num_bytes, doubl
     cuda_check(cudaMemcpy(peers_, peers.data(), sizeof(uint8_t*) * num_ranks, cudaMemcpyHostToDevice), "cudaMemcpy");
     cuda_check(cudaMalloc(&state_, sizeof(kernels::ll::State)), "cudaMalloc(state)");
     cuda_check(cudaMemset(state_, 0, sizeof(kernels::ll::State)), "cudaMemset(state)");
+    if (shrink) {
+        cuda_check(cudaMalloc(&mask_, sizeof(int) * num_ranks), "cudaMalloc(rank mask)");
+        cuda_check(cudaMemset(mask_, 0, sizeof(int) * num_ranks), "cudaMemset(rank mask)");
+        cuda_check(cudaMalloc(&verdicts_, sizeof(uint64_t) * num_ranks), "cudaMalloc(verdicts)");
+        cuda_check(cudaMemset(verdicts_, 0, sizeof(uint64_t) * num_ranks), "cudaMemset(verdicts)");
+    }
     void* flags = nullptr;
     cuda_check(cudaHostAlloc(&flags, sizeof(kernels::HostFlags), cudaHostAllocMapped), "cudaHostAlloc");
     flags_ = static_cast<kernels::HostFlags*>(flags);
@@ -116,6 +126,8 @@ NvshmemRuntime::NvshmemRuntime(int rank, int num_ranks, int64_t num_bytes, doubl
     ctx_.comm.flags = static_cast<kernels::HostFlags*>(flags_dev);
     ctx_.comm.timeout_ns = static_cast<uint64_t>(timeout_s * 1e9);
     ctx_.num_blocks = kernels::ll::grid_blocks(device_);
+    ctx_.mask = mask_;
+    ctx_.verdicts = verdicts_;
 }
 
 NvshmemRuntime::~NvshmemRuntime() {
@@ -124,6 +136,8 @@ NvshmemRuntime::~NvshmemRuntime() {
     cudaDeviceSynchronize();
     cudaFree(peers_);
     cudaFree(state_);
+    cudaFree(mask_);
+    cudaFree(verdicts_);
     cudaFreeHost(flags_);
 }
 
@@ -146,6 +160,8 @@ void NvshmemRuntime::destroy() {
     nvshmem_free(base_);
     cudaFree(peers_);
     cudaFree(state_);
+    cudaFree(mask_);
+    cudaFree(verdicts_);
     cudaFreeHost(flags_);
     base_ = nullptr;
 }

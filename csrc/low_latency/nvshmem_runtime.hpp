@@ -21,10 +21,11 @@ class NvshmemRuntime {
 
     // Allocates `num_bytes` of symmetric memory (collective: every rank calls it in the same order).
     // `puts_only`: every other rank is reached through NVSHMEM puts, even one NVSHMEM maps (tests the
-    // path of peers without P2P on one node; not in the P2P-only module). `ranks_per_node` > 0: ranks of
-    // other (virtual) nodes, groups of that many consecutive ranks, are reached through puts likewise.
+    // path of peers without P2P on one node; not in the P2P-only module). `shrink`: elastic mode, with
+    // a rank mask (api.cuh). `ranks_per_node` > 0: ranks of other (virtual) nodes, groups of that many
+    // consecutive ranks, are reached through puts likewise.
     NvshmemRuntime(int rank, int num_ranks, int64_t num_bytes, double timeout_s, bool puts_only = false,
-                   int ranks_per_node = 0);
+                   bool shrink = false, int ranks_per_node = 0);
     ~NvshmemRuntime();
     NvshmemRuntime(const NvshmemRuntime&) = delete;
     NvshmemRuntime& operator=(const NvshmemRuntime&) = delete;
@@ -41,7 +42,8 @@ class NvshmemRuntime {
     // operation's, the buffer is first cleaned (signals of the old layout could alias the new one).
     kernels::ll::Layout prepare(int64_t max_tokens, int64_t hidden, int64_t num_experts, cudaStream_t stream);
     // Zeroes the buffer (all but the persistent words) on `stream`, then waits there for every rank to
-    // do the same (a timed barrier). No operation may be in flight.
+    // do the same (a timed barrier; in elastic mode it waits for no rank left out and masks a rank that
+    // does not arrive). No operation may be in flight.
     void clean(cudaStream_t stream);
     // Queues a barrier of all ranks on `stream` that gives up after the timeout (the error surfaces
     // through check_usable). Collective: every rank makes the same number of calls.
@@ -49,6 +51,9 @@ class NvshmemRuntime {
 
     const kernels::ll::Context& context() const { return ctx_; }
     uint8_t* send_region(const kernels::ll::Layout& layout) const { return base_ + layout.send; }
+    uint8_t* base() const { return base_; }
+    // Elastic mode: the device rank mask [R] (nonzero = left out); null without it.
+    int* mask() const { return mask_; }
     int rank() const { return rank_; }
     int num_ranks() const { return num_ranks_; }
     int device() const { return device_; }
@@ -64,6 +69,8 @@ class NvshmemRuntime {
     uint8_t** peers_ = nullptr;  // device array [num_ranks]
     kernels::ll::State* state_ = nullptr;
     kernels::HostFlags* flags_ = nullptr;
+    int* mask_ = nullptr;           // elastic mode: device memory [R]
+    uint64_t* verdicts_ = nullptr;  // elastic mode: device memory [R]
     kernels::ll::Context ctx_{};
     bool all_peers_mapped_ = true;
     bool cleaned_for_next_ = true;  // the buffer is zero: the next layout needs no clean

@@ -11,6 +11,7 @@ import torch.distributed as dist
 from . import validation as check
 from .backends import create_backend, cuda_extension_available
 from .backends.base import CommBackend
+from .comm_group import group_from_comm
 from .config import Config, default_combine_config, default_dispatch_config, low_latency_buffer_bytes
 from .constants import NUM_MAX_NVL_PEERS
 from .event import EventOverlap, capture_event
@@ -40,6 +41,12 @@ class Buffer:
     Nodes are the hosts, or `num_ranks_per_node` consecutive ranks (1 to 8, dividing the group size;
     default: the setting `MOE_EP_NUM_RANKS_PER_NODE`), which splits a host into virtual nodes. Across
     nodes, normal mode runs hierarchically on the torch backend (docs/semantics.md, "Internode").
+
+    DeepEP's other arguments: `group=None` with `comm` (an mpi4py communicator) makes the group of the
+    communicator's processes (`moe_ep.ops.comm_group`); without either, the default group serves.
+    `enable_shrink=True` keeps a rank mask for elastic low-latency mode (`low_latency_update_mask_buffer`
+    and its siblings): a dead rank then costs its experts, not the job (CUDA backend). `use_fabric=True` is refused (multi-node NVLink is not supported);
+    `num_qps_per_rank`, `allow_nvlink_for_low_latency_mode` and `allow_mnnvl` change nothing.
     """
 
     num_sms: int = 20
@@ -63,13 +70,11 @@ class Buffer:
     ) -> None:
         if backend not in ("auto", "torch", "cuda"):
             raise ValueError(f"backend: expected 'auto', 'torch' or 'cuda', got {backend!r}")
-        # DeepEP's later V1 arguments, passed by name by its clients: fabric memory handles change
-        # nothing here (as allow_mnnvl); rank masking and MPI communicators are not implemented.
-        if enable_shrink:
-            raise ValueError("enable_shrink: DeepEP's shrink mode (masking failed ranks) is not supported; "
-                             "pass enable_shrink=False")
-        if comm is not None:
-            raise ValueError("comm: mpi4py communicators are not supported; pass a torch.distributed group")
+        if use_fabric:
+            raise ValueError("use_fabric: fabric memory handles (multi-node NVLink) are not supported yet; pass "
+                             "use_fabric=False (the NVLink of one node needs none)")
+        if group is None and comm is not None:
+            group = group_from_comm(comm)
         if not dist.is_initialized():
             raise RuntimeError("group: torch.distributed is not initialized; call init_process_group first")
         for name, value in (("num_nvl_bytes", num_nvl_bytes), ("num_rdma_bytes", num_rdma_bytes)):
@@ -85,6 +90,7 @@ class Buffer:
         self.allow_nvlink_for_low_latency_mode = allow_nvlink_for_low_latency_mode
         self.allow_mnnvl = allow_mnnvl
         self.use_fabric = use_fabric
+        self.enable_shrink = enable_shrink
         self.explicitly_destroy = explicitly_destroy
         self.backend = backend
         self._streams = CommStreams()
@@ -105,8 +111,9 @@ class Buffer:
                 self._cuda = create_backend(
                     "cuda", self.group, self.rank, self.group_size, num_nvl_bytes=num_nvl_bytes,
                     num_rdma_bytes=num_rdma_bytes, low_latency_mode=low_latency_mode,
-                    explicitly_destroy=explicitly_destroy,
+                    explicitly_destroy=explicitly_destroy, enable_shrink=enable_shrink,
                     num_ranks_per_node=nodes.num_ranks_per_node if nodes is not None and nodes.num_nodes > 1 else 0)
+        self._host_buffers: dict[bool, torch.Tensor] = {}  # get_local_buffer_tensor's memory without CUDA kernels
         self._destroyed = False
 
     def _internode_normal_mode(self) -> bool:
@@ -186,6 +193,53 @@ class Buffer:
             return None
         return self._streams.get(torch.device("cuda", torch.cuda.current_device()))
 
+    def get_local_buffer_tensor(self, dtype: torch.dtype, size: Optional[torch.Size] = None, offset: int = 0,
+                                use_rdma_buffer: bool = False) -> torch.Tensor:
+        """This rank's raw buffer memory as a `dtype` tensor, from byte `offset` to the end of the buffer:
+        the NVLink buffer (`num_nvl_bytes`), or with `use_rdma_buffer` the low-latency symmetric buffer
+        (`num_rdma_bytes`). With `size`, its first `size.numel()` elements viewed as `size`.
+
+        With the CUDA backend these are views of the memory its kernels work in (the normal-mode NVLink
+        buffer; the NVSHMEM buffer of low-latency mode): writing there while an operation runs corrupts
+        it. The torch backend moves data with collectives and has no buffers: it returns memory of the
+        same size (on the GPU with NCCL, else on the CPU) that nothing else uses.
+        """
+        if not isinstance(dtype, torch.dtype):
+            raise TypeError(f"dtype: expected a torch.dtype, got {type(dtype).__name__}")
+        check.check_positive_int("offset", offset, minimum=0)
+        raw = self._local_buffer(bool(use_rdma_buffer))
+        item = torch.empty((), dtype=dtype).element_size()
+        if offset % item != 0 or offset >= raw.numel():
+            raise ValueError(f"offset: expected a multiple of {item} bytes ({dtype}) below the buffer's {raw.numel()} "
+                             f"bytes, got {offset}")
+        tensor = raw[offset:offset + (raw.numel() - offset) // item * item].view(dtype)
+        if size is None:
+            return tensor
+        shape = torch.Size(size)
+        if shape.numel() > tensor.numel():
+            raise ValueError(f"size: {tuple(shape)} needs {shape.numel()} elements, the buffer holds {tensor.numel()} "
+                             f"{dtype} elements from offset {offset}")
+        return tensor[:shape.numel()].view(shape)
+
+    def _local_buffer(self, use_rdma_buffer: bool) -> torch.Tensor:
+        """`get_local_buffer_tensor`'s whole buffer as uint8."""
+        if self._destroyed:
+            raise RuntimeError("Buffer: used after destroy()")
+        name = "num_rdma_bytes" if use_rdma_buffer else "num_nvl_bytes"
+        num_bytes = self.num_rdma_bytes if use_rdma_buffer else self.num_nvl_bytes
+        if num_bytes == 0:
+            raise ValueError(f"use_rdma_buffer={use_rdma_buffer}: the Buffer was created with {name}=0")
+        if self._cuda is not None:
+            local_buffer = getattr(self._cuda, "local_buffer", None)
+            if local_buffer is None:
+                raise ValueError("get_local_buffer_tensor: normal mode across nodes keeps no buffer a caller may "
+                                 "write (its rings live in NVSHMEM memory its kernels own)")
+            return local_buffer(use_rdma_buffer)
+        if use_rdma_buffer not in self._host_buffers:
+            device = torch.device("cuda", torch.cuda.current_device()) if _is_nccl(self.group) else torch.device("cpu")
+            self._host_buffers[use_rdma_buffer] = torch.zeros(num_bytes, dtype=torch.uint8, device=device)
+        return self._host_buffers[use_rdma_buffer]
+
     def destroy(self) -> None:
         """Release the backends' resources; requires `explicitly_destroy=True` as in DeepEP."""
         if not self.explicitly_destroy:
@@ -194,6 +248,7 @@ class Buffer:
             if backend is not None:
                 backend.destroy()
         self._cuda = None
+        self._host_buffers.clear()
         self._destroyed = True
 
     def check_errors(self) -> None:
@@ -499,7 +554,9 @@ class Buffer:
             topk_idx: `[T, k]` int64, routing every token as the dispatch behind `handle` did.
             topk_weights: `[T, k]` float32.
             handle: that dispatch's handle.
-            use_logfmt: must be False (the LogFMT wire format is not supported).
+            use_logfmt: the partial rows travel in LogFMT-10 (`moe_ep.ops.logfmt`: blocks of 128 channels
+                below 1 in magnitude as 10-bit log codes, about 0.64x the bytes of BF16; hidden a multiple
+                of 128 up to 8192; not with `zero_copy`); the receiver sums what it decodes.
             zero_copy: read the outputs from `get_next_low_latency_combine_buffer(handle)`, not `x`.
             async_finish, return_recv_hook: as in `low_latency_dispatch`.
             out: `[T, H]` bf16 receiving the result in place.
@@ -520,6 +577,68 @@ class Buffer:
         self._require_low_latency("get_next_low_latency_combine_buffer")
         hdl = check.check_low_latency_handle(handle, self.group_size)
         return self._backend_for(hdl.layout_range).get_next_low_latency_combine_buffer(hdl)
+
+    # ------------------------------------------------------------------ elastic low-latency mode
+
+    def low_latency_update_mask_buffer(self, rank_to_mask: int, mask: bool = False) -> None:
+        """Mask (`mask=True`) or unmask rank `rank_to_mask` in this rank's low-latency operations (elastic
+        mode, `enable_shrink=True`; docs/semantics.md, "Elastic mode"): nothing is sent to a masked rank
+        or awaited from it, and a combine leaves out the top-k terms of its experts; a rank masked in its
+        own mask sends and receives nothing. Every rank should mask the same ranks: the torch backend
+        requires it, and the CUDA backend also masks, on its own, a peer that one of its waits gave up on
+        (`MOE_EP_TIMEOUT_S`). On CUDA the change is ordered on the current stream."""
+        masks = self._rank_masks("low_latency_update_mask_buffer")
+        if isinstance(rank_to_mask, bool) or not isinstance(rank_to_mask, int) or not 0 <= rank_to_mask < self.group_size:
+            raise ValueError(f"rank_to_mask: expected a rank in [0, {self.group_size}), got {rank_to_mask!r}")
+        for rank_mask in masks:
+            rank_mask[rank_to_mask] = int(bool(mask))
+
+    def low_latency_query_mask_buffer(self, mask_status: torch.Tensor) -> None:
+        """Write the rank mask into `mask_status` (`[R]` int32, 1 for a masked rank): the mask of the backend
+        that serves tensors on `mask_status`'s device (on CUDA it includes the ranks masked by timeouts)."""
+        self._rank_masks("low_latency_query_mask_buffer")
+        check.check_tensor("mask_status", mask_status, dtype=torch.int32, shape=(self.group_size,))
+        on_cuda = mask_status.is_cuda and self._cuda is not None and self.backend != "torch"
+        mask_status.copy_((self._cuda if on_cuda else self._torch).rank_mask())
+
+    def low_latency_clean_mask_buffer(self) -> None:
+        """Unmask every rank."""
+        for rank_mask in self._rank_masks("low_latency_clean_mask_buffer"):
+            rank_mask.zero_()
+
+    def _rank_masks(self, op: str) -> list[torch.Tensor]:
+        """The rank mask of every backend of this Buffer, for `op` (elastic mode only)."""
+        if self._destroyed:
+            raise RuntimeError("Buffer: used after destroy()")
+        self._require_low_latency(op)
+        if not self.enable_shrink:
+            raise ValueError(f"{op}: the Buffer was created with enable_shrink=False (elastic mode is off)")
+        return [backend.rank_mask() for backend in (self._cuda, self._torch) if backend is not None]
+
+    # ------------------------------------------------------------------ DeepEP's internode entry points
+
+    def internode_dispatch(self, x: Tokens, handle: Optional[DispatchHandle] = None,
+                           num_tokens_per_rank: Optional[torch.Tensor] = None,
+                           num_tokens_per_rdma_rank: Optional[torch.Tensor] = None,
+                           is_token_in_rank: Optional[torch.Tensor] = None,
+                           num_tokens_per_expert: Optional[torch.Tensor] = None, topk_idx: Optional[torch.Tensor] = None,
+                           topk_weights: Optional[torch.Tensor] = None, expert_alignment: int = 1,
+                           config: Optional[Config] = None, previous_event: Optional[EventOverlap] = None,
+                           async_finish: bool = False, allocate_on_comm_stream: bool = False) -> tuple:
+        """`dispatch` (which takes the internode path itself when the group spans several nodes); DeepEP's
+        `dispatch` calls its namesake across nodes, and programs may call it directly."""
+        return self.dispatch(x, handle, num_tokens_per_rank, num_tokens_per_rdma_rank, is_token_in_rank,
+                             num_tokens_per_expert, topk_idx, topk_weights, expert_alignment, 0, config, previous_event,
+                             async_finish, allocate_on_comm_stream)
+
+    def internode_combine(self, x: torch.Tensor, handle: DispatchHandle, topk_weights: Optional[torch.Tensor] = None,
+                          bias: Bias = None, config: Optional[Config] = None,
+                          previous_event: Optional[EventOverlap] = None, async_finish: bool = False,
+                          allocate_on_comm_stream: bool = False) -> tuple[torch.Tensor, Optional[torch.Tensor],
+                                                                           EventOverlap]:
+        """`combine` (see `internode_dispatch`)."""
+        return self.combine(x, handle, topk_weights, bias, config, previous_event, async_finish,
+                            allocate_on_comm_stream)
 
 
 def _is_nccl(group: dist.ProcessGroup) -> bool:

@@ -115,7 +115,9 @@ class LowLatencyCombineRequest(Request):
     return_recv_hook: bool
     out: Optional[torch.Tensor]  # [T, H] bf16, written in place
     combine_wait_recv_cost_stats: Optional[torch.Tensor]  # [R] int64, added to (ns)
+    use_logfmt: bool = False  # partial rows travel in LogFMT-10 (moe_ep.ops.logfmt)
 
     def agreed(self) -> dict[str, int]:
         return {"hidden": self.handle.hidden, "num_experts": self.handle.num_experts,
-                "num_max_dispatch_tokens_per_rank": self.handle.num_max_dispatch_tokens_per_rank}
+                "num_max_dispatch_tokens_per_rank": self.handle.num_max_dispatch_tokens_per_rank,
+                "use_logfmt": int(self.use_logfmt)}

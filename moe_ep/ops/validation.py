@@ -9,7 +9,7 @@ from typing import Iterable, Optional, Sequence, Union
 
 import torch
 
-from . import routing
+from . import logfmt, routing
 from .config import Config
 from .constants import FP8_BLOCK, NUM_MAX_TOPK, ROW_ALIGNMENT_BYTES
 from .handles import DispatchedRouting, DispatchHandle, InternodeDispatchHandle, LowLatencyHandle
@@ -354,10 +354,12 @@ def low_latency_combine_request(x: object, topk_idx: object, topk_weights: objec
                                 combine_wait_recv_cost_stats: object, num_ranks: int) -> LowLatencyCombineRequest:
     """The checked request of a `Buffer.low_latency_combine` call."""
     device = _device_of(x)
-    if use_logfmt:
-        raise ValueError("use_logfmt: the LogFMT wire format is not supported; pass use_logfmt=False")
+    if use_logfmt and zero_copy:
+        raise ValueError("use_logfmt: cannot be combined with zero_copy (as in DeepEP); pass one of them")
     _check_hook_without_async(async_finish, return_recv_hook)
     hdl = check_low_latency_handle(handle, num_ranks)
+    if use_logfmt:
+        logfmt.check_hidden("use_logfmt", hdl.hidden)
     max_tokens = hdl.num_max_dispatch_tokens_per_rank
     check_tensor("x", x, dtype=torch.bfloat16, shape=(hdl.num_experts // num_ranks, num_ranks * max_tokens, hdl.hidden),
                  device=device, contiguous=True)
@@ -376,4 +378,4 @@ def low_latency_combine_request(x: object, topk_idx: object, topk_weights: objec
         check_tensor("combine_wait_recv_cost_stats", combine_wait_recv_cost_stats, dtype=torch.int64,
                      shape=(num_ranks,), device=device)
     return LowLatencyCombineRequest(x, topk_idx, topk_weights, hdl, zero_copy, return_recv_hook, out,
-                                    combine_wait_recv_cost_stats)
+                                    combine_wait_recv_cost_stats, bool(use_logfmt))

@@ -8,7 +8,8 @@ namespace {
 
 // One warp: lane r signals rank r, then lane r waits for rank r's signal (see launch_barrier). It runs
 // even when an earlier wait gave up (a Buffer that failed is still destroyed collectively), with its
-// own abort word; a timeout here also sets the state's.
+// own abort word; a timeout here also sets the state's. In elastic mode a barrier that is not `exact`
+// (a clean) waits for no rank left out and masks a rank that does not arrive in time, instead of failing.
 __global__ void barrier_kernel(const Context ctx, uint64_t epoch, bool exact) {
     const int64_t offset = barrier_offset(ctx.comm.num_ranks);
     const int lane = threadIdx.x;
@@ -24,12 +25,13 @@ __global__ void barrier_kernel(const Context ctx, uint64_t epoch, bool exact) {
     volatile int gave_up = 0;
     for (int r = lane; r < ctx.comm.num_ranks; r += 32) {
         const uint64_t* signal = reinterpret_cast<const uint64_t*>(ctx.local + offset) + r;
-        const bool ok = wait_until(
-            [&] {
-                const uint64_t seen = ld_acquire_sys_u64(signal);
-                return exact ? seen == epoch : seen >= epoch;
-            },
-            ctx.comm, &gave_up, kErrBarrierTimeout);
+        const auto arrived = [&] {
+            const uint64_t seen = ld_acquire_sys_u64(signal);
+            return exact ? seen == epoch : seen >= epoch;
+        };
+        const bool ok = ctx.mask != nullptr && !exact
+                            ? wait_peer(arrived, ctx, r, kErrBarrierTimeout) != Arrival::kFailed
+                            : wait_until(arrived, ctx.comm, &gave_up, kErrBarrierTimeout);
         if (!ok) {
             ctx.state->abort = 1;
             ctx.state->barrier_failed = 1;

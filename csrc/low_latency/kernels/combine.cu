@@ -18,11 +18,19 @@
 //     then releases flags[this rank][token] there; the other rows are done.
 // Receive phase: a block per token waits for the flags of the ranks its valid slots name and sums their
 // partial rows in ascending rank order.
+//
+// LogFMT (CombineArgs::logfmt): the warp reducing a token writes P to this rank's send region (free: a
+// LogFMT combine is never zero-copy), encodes it into the stage row of the pair (logfmt.cuh) and copies
+// (or puts) the encoded bytes; the flag's value says whether the row is in the LogFMT layout (1) or plain
+// BF16 (0). The receive phase reads the headers of a token's LogFMT rows into shared memory and decodes
+// each vector as it sums.
 #include <climits>
 
 #include <cuda_bf16.h>
 
+#include "low_latency/kernels/logfmt.cuh"
 #include "low_latency/kernels/operation.cuh"
+#include "low_latency/kernels/rows.cuh"
 #include "low_latency/kernels/schedule.cuh"
 #include "low_latency/kernels/signals.cuh"
 
@@ -55,7 +63,7 @@ MOE_EP_DEVICE bool send_metadata(const CombineArgs& a, const Context& c, const L
     const int64_t e = lane < a.num_topk ? __ldg(a.topk_idx + at) : -1;
     const float weight = lane < a.num_topk ? __ldg(a.topk_weights + at) : 0.0f;
     const int dst = rank_of_slot(e, a.num_experts, num_local);
-    const bool first = first_slot_of_rank(dst, lane);
+    const bool first = first_slot_of_rank(dst, lane) && !left_out(c, dst);
     const uint32_t firsts = __ballot_sync(kFullMask, first);
     const int64_t pair = static_cast<int64_t>(c.comm.rank) * a.max_tokens + t;  // (source, token) on the destination
     const int64_t entry_offset = op.meta + pair * kMetaBytes + lane * kMetaEntryBytes;
@@ -167,23 +175,52 @@ MOE_EP_DEVICE void reduce_partial_row(int4* dst, const int4* row, float weight, 
     }
 }
 
+// The partial row of a token in LogFMT: reduced into `partial` (this rank's send region), encoded into
+// `staged` (the pair's stage row), then its bytes (the encoded row, or the BF16 one when that is
+// smaller) stored to the source's `peer_row` and released by `peer_flag`, or, without a mapping
+// (`peer_row` null), put to `sym_row` with signal `sym_flag`; the signal's value gives the format.
+// Returns whether it put.
+MOE_EP_DEVICE bool send_logfmt_row(const int4* row, float weight, uint32_t slots, int hidden, uint8_t* partial,
+                                             uint8_t* staged, uint8_t* peer_row, uint64_t* peer_flag, uint8_t* sym_row,
+                                             uint64_t* sym_flag, uint32_t tag, int src, int lane) {
+    reduce_partial_row(reinterpret_cast<int4*>(partial), row, weight, slots, hidden / 8, lane);
+    __syncwarp();  // every lane reads what the others wrote
+    const int encoded = logfmt_encode_row(reinterpret_cast<const int4*>(partial), staged, hidden, lane);
+    __syncwarp();
+    const uint8_t* wire = encoded > 0 ? staged : partial;
+    const int bytes = encoded > 0 ? encoded : 2 * hidden;
+    const uint64_t signal = make_signal(tag, encoded > 0 ? 1u : 0u);
+    if (peer_row == nullptr) {
+        put_row_with_signal(sym_row, wire, bytes, sym_flag, signal, src);
+        return true;
+    }
+    copy_row(reinterpret_cast<int4*>(peer_row), reinterpret_cast<const int4*>(wire), bytes / 16, lane);
+    __syncwarp();  // orders every lane's stores before lane 0's release
+    if (lane == 0) st_release_sys_u64(peer_flag, signal);
+    return false;
+}
+
 // Loop 2, for one received row (local expert, source `src`, `token`): waits for the token's metadata;
 // if the row belongs to the token's first slot on this rank, reduces all of the token's local rows into
 // its partial row and delivers it to `src` (rows of the token's other slots are done). False when a
-// wait gave up.
+// wait gave up; in elastic mode a source left out is skipped.
+template <bool kLogfmt>
 MOE_EP_DEVICE bool reduce_token(const CombineArgs& a, const Context& c, const Layout& L, const Phase& op,
                                 int local_expert, int src, int token, int lane, uint64_t& waited, bool& used_puts) {
     const int num_ranks = c.comm.num_ranks, rank = c.comm.rank;
     const int num_local = a.num_experts / num_ranks;
     const int64_t pair = static_cast<int64_t>(src) * a.max_tokens + token;
-    bool ok = true;
+    Arrival arrival = Arrival::kReady;
     if (lane == 0) {
         uint32_t unused;
-        ok = wait_signal(reinterpret_cast<const uint64_t*>(c.local + op.meta_flags) + pair, op.tag, c, unused, waited);
+        arrival = wait_signal(reinterpret_cast<const uint64_t*>(c.local + op.meta_flags) + pair, op.tag, c, src, unused,
+                              waited);
     }
     // __syncwarp orders lane 0's acquire before the other lanes' reads of the entries.
     __syncwarp();
-    if (!__shfl_sync(kFullMask, ok, 0)) return false;
+    arrival = static_cast<Arrival>(__shfl_sync(kFullMask, static_cast<int>(arrival), 0));
+    if (arrival != Arrival::kReady) return arrival == Arrival::kLeftOut;
+    bool ok = true;
     int expert = -1;
     float weight = 0.0f;
     if (lane < a.num_topk) {
@@ -217,10 +254,19 @@ MOE_EP_DEVICE bool reduce_token(const CombineArgs& a, const Context& c, const La
     uint8_t* peer = c.peers[src];
     const int64_t slot = static_cast<int64_t>(rank) * a.max_tokens + token;  // [this rank][token] on the source
     const int64_t data_offset = op.data + slot * L.row_bytes;
+    const int64_t flag_offset = op.flags + slot * 8;
+    if constexpr (kLogfmt) {
+        uint8_t* peer_row = peer != nullptr ? peer + data_offset : nullptr;
+        uint64_t* peer_flag = peer != nullptr ? reinterpret_cast<uint64_t*>(peer + flag_offset) : nullptr;
+        used_puts |= send_logfmt_row(row, weight, slots, a.hidden, c.local + L.send + pair * L.row_bytes,
+                                     c.local + L.stage + pair * L.row_bytes, peer_row, peer_flag,
+                                     c.local + data_offset, reinterpret_cast<uint64_t*>(c.local + flag_offset),
+                                     op.tag, src, lane);
+        return true;
+    }
     uint8_t* out = peer != nullptr ? peer + data_offset : c.local + L.stage + pair * L.row_bytes;
     reduce_partial_row(reinterpret_cast<int4*>(out), row, weight, slots, a.hidden / 8, lane);
     const uint64_t signal = make_signal(op.tag, 0);
-    const int64_t flag_offset = op.flags + slot * 8;
     if (peer != nullptr) {
         __syncwarp();  // orders every lane's stores before lane 0's release
         if (lane == 0) st_release_sys_u64(reinterpret_cast<uint64_t*>(peer + flag_offset), signal);
@@ -232,6 +278,7 @@ MOE_EP_DEVICE bool reduce_token(const CombineArgs& a, const Context& c, const La
     return true;
 }
 
+template <bool kLogfmt>
 MOE_EP_DEVICE void combine_send(const CombineArgs& a, const Context& c, const Layout& L, const Phase& op) {
     const int num_ranks = c.comm.num_ranks;
     const int64_t slots = static_cast<int64_t>(num_ranks) * a.max_tokens;
@@ -258,7 +305,7 @@ MOE_EP_DEVICE void combine_send(const CombineArgs& a, const Context& c, const La
         for (int i = sub; i < count && ok; i += workers) {
             const int token = __ldg(a.src_info + local_expert * slots + begin + i);
             if (token < 0 || token >= a.max_tokens) continue;
-            ok = reduce_token(a, c, L, op, local_expert, src, token, lane, waited, used_puts);
+            ok = reduce_token<kLogfmt>(a, c, L, op, local_expert, src, token, lane, waited, used_puts);
         }
         if (lane == 0) add_wait(a.wait_stats, src, waited);  // metadata waits count for the source
         if (!ok) break;
@@ -266,11 +313,74 @@ MOE_EP_DEVICE void combine_send(const CombineArgs& a, const Context& c, const La
     if (used_puts) complete_puts();
 }
 
+// The combined row of a token with the block's threads: `out[vec] = bf16(sum over positions p < count in
+// order of float(load(p, vec)))` in float32, `load(p, vec)` the vector (8 BF16 values) `vec` of the
+// partial row at position p.
+template <class Load>
+MOE_EP_DEVICE void sum_partials(int4* out, int vectors, int count, const Load& load) {
+    for (int vec = threadIdx.x; vec < vectors; vec += blockDim.x) {
+        float acc[8];
+#pragma unroll
+        for (int i = 0; i < 8; ++i) acc[i] = 0.0f;
+        for (int p0 = 0; p0 < count; p0 += kReduceBatch) {
+            int4 rows[kReduceBatch];
+#pragma unroll
+            for (int u = 0; u < kReduceBatch; ++u)
+                if (p0 + u < count) rows[u] = load(p0 + u, vec);
+#pragma unroll
+            for (int u = 0; u < kReduceBatch; ++u) {
+                if (p0 + u >= count) continue;
+                const __nv_bfloat162* y = reinterpret_cast<const __nv_bfloat162*>(&rows[u]);
+#pragma unroll
+                for (int i = 0; i < 4; ++i) {
+                    const float2 f = __bfloat1622float2(y[i]);
+                    acc[2 * i] = __fadd_rn(acc[2 * i], f.x);
+                    acc[2 * i + 1] = __fadd_rn(acc[2 * i + 1], f.y);
+                }
+            }
+        }
+        out[vec] = to_bf16x8(acc);
+    }
+}
+
+// LogFMT: what the block knows of each of a token's partial rows (by position).
+struct LogfmtRows {
+    uint32_t format[kNumMaxTopk];                      // the flag's value: 1 = LogFMT layout, 0 = BF16
+    uint32_t header[kNumMaxTopk][kLogfmtMaxGroups];    // per block, of LogFMT rows
+    uint16_t offset[kNumMaxTopk][kLogfmtMaxGroups];    // byte offset of each block in its row
+};
+
+// sum_partials over partial rows in LogFMT or BF16 (`rows.format`): a warp per LogFMT row first reads its
+// headers and finds where each block starts.
+MOE_EP_DEVICE void sum_logfmt_partials(int4* out, int hidden, int count, const uint8_t* const* partial_rows,
+                                       LogfmtRows& rows) {
+    const int groups = hidden / kLogfmtBlock, lane = threadIdx.x % 32;
+    for (int p = threadIdx.x / 32; p < count; p += blockDim.x / 32) {
+        if (rows.format[p] == 0) continue;
+        const LogfmtBlocks blocks = logfmt_row_layout(partial_rows[p], groups, lane);
+        if (lane < groups) {
+            rows.header[p][lane] = blocks.header[0];
+            rows.offset[p][lane] = static_cast<uint16_t>(blocks.offset[0]);
+        }
+        if (lane + 32 < groups) {
+            rows.header[p][lane + 32] = blocks.header[1];
+            rows.offset[p][lane + 32] = static_cast<uint16_t>(blocks.offset[1]);
+        }
+    }
+    __syncthreads();
+    sum_partials(out, hidden / 8, count, [&](int p, int vec) {
+        if (rows.format[p] == 0) return reinterpret_cast<const int4*>(partial_rows[p])[vec];
+        return logfmt_load_vector(partial_rows[p], rows.header[p][vec / 16], rows.offset[p][vec / 16], vec);
+    });
+}
+
 // out[t] = bf16(sum over the ranks hosting t's valid slots, ascending, of float(P[r, t])) in float32.
+template <bool kLogfmt>
 MOE_EP_DEVICE void combine_recv(const CombineArgs& a, const Context& c, const Layout& L, const Phase& op) {
-    __shared__ int s_ranks[kNumMaxTopk];
+    __shared__ const uint8_t* s_rows[kNumMaxTopk];  // the partial rows to sum, in ascending rank order
     __shared__ int s_count;
     __shared__ int s_failed;
+    __shared__ LogfmtRows s_logfmt;
     const int num_ranks = c.comm.num_ranks;
     const int num_local = a.num_experts / num_ranks;
     const int vectors = a.hidden / 8;
@@ -281,24 +391,30 @@ MOE_EP_DEVICE void combine_recv(const CombineArgs& a, const Context& c, const La
             const int lane = threadIdx.x;
             const int64_t e = lane < a.num_topk ? __ldg(a.topk_idx + static_cast<int64_t>(t) * a.num_topk + lane) : -1;
             const int r = rank_of_slot(e, a.num_experts, num_local);
-            const bool first = first_slot_of_rank(r, lane);
-            // The position of r among the token's ranks in ascending order.
+            bool present = first_slot_of_rank(r, lane);
+            bool ok = true;
+            uint32_t format = 0;
+            if (present) {
+                uint64_t waited = 0;
+                const Arrival arrival =
+                    wait_signal(flags + static_cast<int64_t>(r) * a.max_tokens + t, op.tag, c, r, format, waited);
+                add_wait(a.wait_stats, r, waited);
+                ok = arrival != Arrival::kFailed;
+                present = arrival == Arrival::kReady;  // elastic mode: ranks left out add nothing
+            }
+            // The position of r among the token's ranks that take part, in ascending order.
             int position = 0;
             if (num_ranks <= 32) {
-                const uint32_t ranks = __reduce_or_sync(kFullMask, first ? 1u << r : 0u);
-                position = first ? __popc(ranks & ((1u << r) - 1u)) : 0;
+                const uint32_t ranks = __reduce_or_sync(kFullMask, present ? 1u << r : 0u);
+                position = present ? __popc(ranks & ((1u << r) - 1u)) : 0;
             } else {
-                const int key = first ? r : INT_MAX;
+                const int key = present ? r : INT_MAX;
                 for (int i = 0; i < 32; ++i) position += __shfl_sync(kFullMask, key, i) < key;
             }
-            const int count = __popc(__ballot_sync(kFullMask, first));
-            bool ok = true;
-            if (first) {
-                uint64_t waited = 0;
-                uint32_t unused;
-                ok = wait_signal(flags + static_cast<int64_t>(r) * a.max_tokens + t, op.tag, c, unused, waited);
-                add_wait(a.wait_stats, r, waited);
-                s_ranks[position] = r;
+            const int count = __popc(__ballot_sync(kFullMask, present));
+            if (present) {
+                s_rows[position] = data + (static_cast<int64_t>(r) * a.max_tokens + t) * L.row_bytes;
+                s_logfmt.format[position] = format;
             }
             const bool failed = __any_sync(kFullMask, !ok);
             if (lane == 0) {
@@ -310,45 +426,27 @@ MOE_EP_DEVICE void combine_recv(const CombineArgs& a, const Context& c, const La
         __syncthreads();
         if (s_failed) return;
         const int count = s_count;
-        for (int vec = threadIdx.x; vec < vectors; vec += blockDim.x) {
-            float acc[8];
-#pragma unroll
-            for (int i = 0; i < 8; ++i) acc[i] = 0.0f;
-            for (int p0 = 0; p0 < count; p0 += kReduceBatch) {
-                int4 rows[kReduceBatch];
-#pragma unroll
-                for (int u = 0; u < kReduceBatch; ++u)
-                    if (p0 + u < count)
-                        rows[u] = reinterpret_cast<const int4*>(
-                            data + (static_cast<int64_t>(s_ranks[p0 + u]) * a.max_tokens + t) * L.row_bytes)[vec];
-#pragma unroll
-                for (int u = 0; u < kReduceBatch; ++u) {
-                    if (p0 + u >= count) continue;
-                    const __nv_bfloat162* y = reinterpret_cast<const __nv_bfloat162*>(&rows[u]);
-#pragma unroll
-                    for (int i = 0; i < 4; ++i) {
-                        const float2 f = __bfloat1622float2(y[i]);
-                        acc[2 * i] = __fadd_rn(acc[2 * i], f.x);
-                        acc[2 * i + 1] = __fadd_rn(acc[2 * i + 1], f.y);
-                    }
-                }
-            }
-            static_cast<int4*>(a.out)[static_cast<int64_t>(t) * vectors + vec] = to_bf16x8(acc);
-        }
-        __syncthreads();  // s_ranks / s_count are rewritten for the next token
+        int4* out = static_cast<int4*>(a.out) + static_cast<int64_t>(t) * vectors;
+        if constexpr (kLogfmt)
+            sum_logfmt_partials(out, a.hidden, count, s_rows, s_logfmt);
+        else
+            sum_partials(out, vectors, count,
+                         [&](int p, int vec) { return reinterpret_cast<const int4*>(s_rows[p])[vec]; });
+        __syncthreads();  // s_rows / s_count are rewritten for the next token
     }
 }
 
+template <bool kLogfmt>
 __global__ void __launch_bounds__(kBlockThreads, 1)
     combine_kernel(const CombineArgs args, const Context ctx, const Layout layout, int phases) {
     const Operation op = begin_operation(ctx, layout);
     if (op.abort) return;
     if (phases & kSendPhase) {
-        if (wait_for_receivers(ctx, layout, op.send)) combine_send(args, ctx, layout, op.send);
+        if (wait_for_receivers(ctx, layout, op.send)) combine_send<kLogfmt>(args, ctx, layout, op.send);
         finish_phase(&ctx.state->send_done, &ctx.state->send_seq);
     }
     if (phases & kRecvPhase) {
-        combine_recv(args, ctx, layout, op.recv);
+        combine_recv<kLogfmt>(args, ctx, layout, op.recv);
         if (finish_phase(&ctx.state->recv_done, &ctx.state->recv_seq)) acknowledge(ctx, layout, op.recv.seq + 1);
     }
 }
@@ -357,7 +455,9 @@ __global__ void __launch_bounds__(kBlockThreads, 1)
 
 cudaError_t launch_combine(const CombineArgs& args, const Context& ctx, const Layout& layout, int phases,
                            cudaStream_t stream) {
-    return launch_cooperative(combine_kernel, ctx.num_blocks, 0, stream, args, ctx, layout, phases);
+    // LogFMT is a kernel of its own: the BF16 combine keeps its registers.
+    if (args.logfmt) return launch_cooperative(combine_kernel<true>, ctx.num_blocks, 0, stream, args, ctx, layout, phases);
+    return launch_cooperative(combine_kernel<false>, ctx.num_blocks, 0, stream, args, ctx, layout, phases);
 }
 
 }  // namespace moe_ep::kernels::ll

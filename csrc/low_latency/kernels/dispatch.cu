@@ -51,7 +51,7 @@ MOE_EP_DEVICE int slot_positions(const int16_t* s_ids, int token_entry, uint32_t
 // per message. Returns whether puts were issued.
 template <Mode kMode>
 MOE_EP_DEVICE bool send_rows(const DispatchArgs& a, const Context& c, const Layout& L, const Phase& op,
-                             const int16_t* s_ids, int count_warps, int lane) {
+                             const int16_t* s_ids, const LeftOutSnapshot& left_out_ranks, int count_warps, int lane) {
     const int num_ranks = c.comm.num_ranks, rank = c.comm.rank;
     const int num_local = a.num_experts / num_ranks;
     // Items split by rank only while they fill at most half of the largest teams: a row cast once for
@@ -66,7 +66,7 @@ MOE_EP_DEVICE bool send_rows(const DispatchArgs& a, const Context& c, const Layo
         const int token = item / parts, part = item % parts;
         const int expert = lane < a.num_topk ? s_ids[token * a.num_topk + lane] : -1;
         const int dst = expert >= 0 ? expert / num_local : -1;
-        const bool in_item = expert >= 0 && (parts == 1 || dst == part);
+        const bool in_item = expert >= 0 && (parts == 1 || dst == part) && !left_out_ranks(dst);
         const uint32_t valid = __ballot_sync(kFullMask, in_item);
         if (valid == 0) continue;
         // One lane per destination rank: the first slot with an expert there. (Every lane must take part
@@ -126,7 +126,8 @@ MOE_EP_DEVICE void dispatch_send(const DispatchArgs& a, const Context& c, const 
         const int64_t e = a.topk_idx[i];
         s_ids[i] = static_cast<int16_t>(e >= 0 && e < a.num_experts ? e : -1);
     }
-    __syncthreads();
+    __shared__ LeftOutSnapshot left_out_ranks;
+    left_out_ranks.fill(c);  // synchronizes the block (s_ids too)
 
     const WarpSchedule ws = WarpSchedule::make();
     const int lane = ws.lane;
@@ -135,7 +136,7 @@ MOE_EP_DEVICE void dispatch_send(const DispatchArgs& a, const Context& c, const 
         // Every (expert, source) pair gets a count, zero included: receivers wait for all of them. A
         // count guards no data (each message has its own flag), so it needs no release.
         const int count = count_expert(s_ids, entries, item, lane);
-        if (lane == 0) {
+        if (lane == 0 && !left_out_ranks(item / num_local)) {
             const int dst = item / num_local;
             const int64_t offset = op.counts + (static_cast<int64_t>(item % num_local) * num_ranks + rank) * 8;
             const uint64_t signal = make_signal(op.tag, static_cast<uint32_t>(count));
@@ -150,7 +151,7 @@ MOE_EP_DEVICE void dispatch_send(const DispatchArgs& a, const Context& c, const 
 
     // The teams start after the warps that had a count item, so that no row waits for a count.
     const int count_warps = min(ceil_div(a.num_experts, static_cast<int>(gridDim.x)), kWarps - 1);
-    if (send_rows<kMode>(a, c, L, op, s_ids, count_warps, lane)) used_puts = true;
+    if (send_rows<kMode>(a, c, L, op, s_ids, left_out_ranks, count_warps, lane)) used_puts = true;
     if (used_puts) complete_puts();
 }
 
@@ -168,6 +169,50 @@ MOE_EP_DEVICE void copy_fp8_message(int4* out_row, uint32_t* out_scales, int64_t
     for (int g = lane + 64; g < n; g += 32) out_scales[g * stride] = scales[g];
 }
 
+// Elastic mode: warp s decides whether source s takes part in this receive (every one of its counts
+// arrived, lanes over the local experts) or is left out (masked before, or now by a timeout), and
+// publishes the verdict, which every warp then packs by.
+MOE_EP_DEVICE void decide_sources(const DispatchArgs& a, const Context& c, const Phase& op, const WarpSchedule& ws) {
+    const int num_ranks = c.comm.num_ranks, num_local = a.num_experts / num_ranks;
+    const uint64_t* counts = reinterpret_cast<const uint64_t*>(c.local + op.counts);
+    for (int s = ws.warp; s < num_ranks; s += ws.num_warps) {
+        bool present = true;
+        uint64_t waited = 0;
+        for (int e = ws.lane; e < num_local && present; e += 32) {
+            uint32_t unused;
+            present = wait_signal(counts + e * num_ranks + s, op.tag, c, s, unused, waited) == Arrival::kReady;
+        }
+        present = __all_sync(kFullMask, present);
+        if (ws.lane == 0) {
+            st_release_gpu_u64(c.verdicts + s, make_signal(op.tag, present ? 1u : 2u));
+            add_wait(a.wait_stats, s, waited);
+        }
+    }
+}
+
+// The count of messages from source `s` for `local_expert`: false when this rank gave up. In elastic mode
+// by the source's verdict (0 when it is left out); its wait guards only against a fault of this rank's
+// own warps, so it may last twice the timeout (a verdict can take one timeout to come).
+MOE_EP_DEVICE bool source_count(const DispatchArgs& a, const Context& c, const Phase& op, int local_expert, int s,
+                                uint32_t& n, uint64_t& waited) {
+    const uint64_t* count = reinterpret_cast<const uint64_t*>(c.local + op.counts) + local_expert * c.comm.num_ranks + s;
+    if (c.mask == nullptr) return wait_signal(count, op.tag, c, s, n, waited) == Arrival::kReady;
+    const uint64_t deadline = global_timer_ns() + 2 * c.comm.timeout_ns;
+    uint64_t verdict = ld_acquire_gpu_u64(c.verdicts + s);
+    for (uint32_t spins = 1; (verdict >> 32) != op.tag; ++spins) {
+        if ((spins & 63) == 0 && (ld_volatile(&c.state->abort) != 0 || global_timer_ns() > deadline)) {
+            if (ld_volatile(&c.state->abort) == 0) {
+                report_error(c.comm.flags, kErrInternalTimeout);
+                c.state->abort = 1;
+            }
+            return false;
+        }
+        verdict = ld_acquire_gpu_u64(c.verdicts + s);
+    }
+    n = static_cast<uint32_t>(verdict) == 1 ? static_cast<uint32_t>(ld_acquire_sys_u64(count)) : 0u;
+    return true;
+}
+
 template <Mode kMode>
 MOE_EP_DEVICE void dispatch_recv(const DispatchArgs& a, const Context& c, const Layout& L, const Phase& op) {
     const int num_ranks = c.comm.num_ranks;
@@ -178,9 +223,9 @@ MOE_EP_DEVICE void dispatch_recv(const DispatchArgs& a, const Context& c, const 
     const WarpSchedule ws = WarpSchedule::make();
     const int lane = ws.lane;
     const int workers = ws.workers_per_item(num_pairs);
-    const uint64_t* counts = reinterpret_cast<const uint64_t*>(c.local + op.counts);
     const uint64_t* flags = reinterpret_cast<const uint64_t*>(c.local + op.flags);
     const uint8_t* data = c.local + op.data;
+    if (c.mask != nullptr) decide_sources(a, c, op, ws);
 
     for (int v = ws.warp; v < num_pairs * workers; v += ws.num_warps) {
         const int pair = v % num_pairs, sub = v / num_pairs;
@@ -193,7 +238,7 @@ MOE_EP_DEVICE void dispatch_recv(const DispatchArgs& a, const Context& c, const 
         for (int s = lane; s < num_ranks && ok; s += 32) {
             uint32_t n = 0;
             uint64_t count_wait = 0;
-            ok = wait_signal(counts + local_expert * num_ranks + s, op.tag, c, n, count_wait);
+            ok = source_count(a, c, op, local_expert, s, n, count_wait);
             waited += s == src ? count_wait : 0;
             before += s < src ? static_cast<int>(n) : 0;
             mine += s == src ? static_cast<int>(n) : 0;
@@ -213,10 +258,15 @@ MOE_EP_DEVICE void dispatch_recv(const DispatchArgs& a, const Context& c, const 
         const int64_t first = (static_cast<int64_t>(local_expert) * num_ranks + src) * a.max_tokens;
         for (int i = sub; i < mine; i += workers) {
             uint32_t token = 0;
-            if (lane == 0) ok = wait_signal(flags + first + i, op.tag, c, token, waited);
+            Arrival arrival = Arrival::kReady;
+            if (lane == 0) arrival = wait_signal(flags + first + i, op.tag, c, src, token, waited);
             // __syncwarp orders lane 0's acquire before the other lanes' reads of the message.
             __syncwarp();
-            if (!__shfl_sync(kFullMask, ok, 0)) return;
+            arrival = static_cast<Arrival>(__shfl_sync(kFullMask, static_cast<int>(arrival), 0));
+            if (arrival == Arrival::kFailed) return;
+            // Elastic mode: a source masked after its counts arrived leaves its remaining rows of this
+            // receive unwritten (the layout still counts them).
+            if (arrival == Arrival::kLeftOut) break;
             token = __shfl_sync(kFullMask, token, 0);
             const int64_t row = before + i;  // inside this expert
             const int64_t out_row = local_expert * slots + row;

@@ -80,15 +80,16 @@ MOE_EP_DEVICE bool finish_phase(uint32_t* done, uint64_t* seq) {
 
 // Before writing a half, every rank must have received the operation that used it before (two
 // operations earlier): their acknowledgement words count received operations. Warp 0 acquires them;
-// the barrier orders every thread's later stores after those acquires.
+// the barrier orders every thread's later stores after those acquires. In elastic mode a rank left out
+// is not waited for (nothing will be stored to it), and one that does not acknowledge in time is masked.
 MOE_EP_DEVICE bool wait_for_receivers(const Context& c, const Layout& L, const Phase& send) {
     __shared__ int s_failed;
     if (threadIdx.x < 32) {
         bool ok = true;
         const uint64_t* acks = reinterpret_cast<const uint64_t*>(c.local + L.acks);
         for (int r = threadIdx.x; r < c.comm.num_ranks && ok && send.seq >= 2; r += 32)
-            ok = wait_until([&] { return ld_acquire_sys_u64(acks + r) + 1 >= send.seq; }, c.comm, &c.state->abort,
-                            kErrSendTimeout);
+            ok = wait_peer([&] { return ld_acquire_sys_u64(acks + r) + 1 >= send.seq; }, c, r, kErrSendTimeout) !=
+                 Arrival::kFailed;
         const bool failed = __any_sync(kFullMask, !ok);
         if (threadIdx.x == 0) s_failed = failed;
     }

@@ -84,6 +84,11 @@ class CommBackend(ABC):
     @abstractmethod
     def clean_low_latency_buffer(self, num_max_dispatch_tokens_per_rank: int, hidden: int, num_experts: int) -> None: ...
 
+    def rank_mask(self) -> torch.Tensor:
+        """`[R]` int32, 1 for every rank that this rank's low-latency operations leave out (elastic mode,
+        docs/semantics.md): the tensor itself, which the Buffer's mask methods read and write."""
+        raise NotImplementedError(f"the {self.name} backend has no rank mask")
+
     def destroy(self) -> None:
         """Release resources; the backend is unusable afterwards."""
 

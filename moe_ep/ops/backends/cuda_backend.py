@@ -61,6 +61,7 @@ class CudaBackend(CommBackend):
         num_rdma_bytes: int = 0,
         low_latency_mode: bool = False,
         explicitly_destroy: bool = False,
+        enable_shrink: bool = False,
         num_ranks_per_node: int = 0,
     ) -> None:
         super().__init__(group, rank, num_ranks)
@@ -76,7 +77,7 @@ class CudaBackend(CommBackend):
         self._runtime.open_peers(handles)
         self._low_latency: Optional[LowLatencyRuntime] = None
         if low_latency_mode and num_rdma_bytes > 0:
-            self._low_latency = LowLatencyRuntime(group, rank, num_ranks, num_rdma_bytes,
+            self._low_latency = LowLatencyRuntime(group, rank, num_ranks, num_rdma_bytes, shrink=enable_shrink,
                                                   num_ranks_per_node=num_ranks_per_node)
 
     def agree(self, op: str, fields: Mapping[str, int], local_error: Optional[Exception], device: torch.device) -> None:
@@ -159,6 +160,19 @@ class CudaBackend(CommBackend):
 
     def clean_low_latency_buffer(self, num_max_dispatch_tokens_per_rank: int, hidden: int, num_experts: int) -> None:
         self._low_latency_runtime().clean_low_latency_buffer(num_max_dispatch_tokens_per_rank, hidden, num_experts)
+
+    def rank_mask(self) -> torch.Tensor:
+        return self._low_latency_runtime().rank_mask()
+
+    def local_buffer(self, use_rdma_buffer: bool) -> torch.Tensor:
+        """This rank's NVLink buffer, or with `use_rdma_buffer` its low-latency symmetric buffer, as uint8
+        views of the memory the kernels use."""
+        if not use_rdma_buffer:
+            return self._runtime.local_buffer()
+        if self._low_latency is None:
+            raise ValueError("use_rdma_buffer: the CUDA backend has an RDMA (symmetric) buffer in low-latency mode "
+                             "only (low_latency_mode=True)")
+        return self._low_latency.local_buffer()
 
     def destroy(self) -> None:
         """Wait for this rank's kernels and every peer, then unmap and free the NVLink buffer."""

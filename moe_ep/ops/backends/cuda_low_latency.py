@@ -25,6 +25,13 @@ Protocol rules the kernels rely on (see csrc/low_latency/):
   rank provides; its `topk_idx` must route the tokens as the dispatch behind the handle did.
 A kernel that waits more than `MOE_EP_TIMEOUT_S` seconds (default 100, see `moe_ep.ops.settings`) for a
 peer reports an error; the next call raises and the runtime stays unusable.
+
+Elastic mode (`shrink=True`, `Buffer(enable_shrink=True)`): the kernels read a device rank mask
+(`rank_mask()`), send nothing to a masked rank and wait for none, and a wait for a peer that times out
+masks that peer and goes on instead of failing; `clean_low_latency_buffer` masks a peer that does not
+reach its barrier. A masked rank that took part late may be unmasked once it has issued the same
+operations as the others (the sequence numbers must agree); the collective `destroy` still needs every
+rank.
 """
 
 from __future__ import annotations
@@ -151,10 +158,10 @@ class LowLatencyRuntime:
     """The low-latency half of the CUDA backend (see the module docstring)."""
 
     def __init__(self, group: dist.ProcessGroup, rank: int, num_ranks: int, num_rdma_bytes: int,
-                 timeout_s: Optional[float] = None, num_ranks_per_node: int = 0) -> None:
-        """`num_ranks_per_node` > 0 groups the ranks into (virtual) nodes of that many: peers on other nodes
-        are reached through NVSHMEM puts, never direct stores, even where NVSHMEM maps them (0: the hosts
-        decide, through what NVSHMEM can map)."""
+                 timeout_s: Optional[float] = None, shrink: bool = False, num_ranks_per_node: int = 0) -> None:
+        """`shrink`: elastic mode (a rank mask, docs/semantics.md). `num_ranks_per_node` > 0 groups the ranks
+        into (virtual) nodes of that many: peers on other nodes are reached through NVSHMEM puts, never
+        direct stores, even where NVSHMEM maps them (0: the hosts decide, through what NVSHMEM can map)."""
         if not low_latency_available():
             raise RuntimeError("low-latency mode: moe_ep._low_latency was not built (it needs NVSHMEM: install "
                                "nvidia-nvshmem-cu12/cu13 or set NVSHMEM_DIR, then rebuild); use backend='torch'")
@@ -172,8 +179,9 @@ class LowLatencyRuntime:
         # Buffer must fail the others here, through the process group's timeout, instead.
         dist.barrier(group=group, device_ids=[self.device.index])
         self._runtime = _ext().NvshmemRuntime(rank, num_ranks, num_rdma_bytes, timeout_s,
-                                              puts_only=_transport == "nvshmem_puts",
+                                              puts_only=_transport == "nvshmem_puts", shrink=shrink,
                                               ranks_per_node=num_ranks_per_node if across_nodes else 0)
+        self._rank_mask = _ext().ll_rank_mask(self._runtime) if shrink else None
         self._in_flight: list[_ReceiveHook] = []  # pending receives, oldest first
         self._sizes: Optional[tuple[int, int, int]] = None
 
@@ -247,7 +255,8 @@ class LowLatencyRuntime:
         def launch(phases: int) -> None:
             _ext().ll_combine(self._runtime, r.x, r.zero_copy, handle.src_info, handle.layout_range, r.topk_idx,
                               r.topk_weights, combined, r.combine_wait_recv_cost_stats,
-                              handle.num_max_dispatch_tokens_per_rank, handle.hidden, handle.num_experts, phases)
+                              handle.num_max_dispatch_tokens_per_rank, handle.hidden, handle.num_experts, r.use_logfmt,
+                              phases)
 
         sizes = (handle.num_max_dispatch_tokens_per_rank, handle.hidden, handle.num_experts)
         return combined, self._run(sizes, launch, r.return_recv_hook)
@@ -262,6 +271,17 @@ class LowLatencyRuntime:
         self.check_usable()
         self._complete()
         self._runtime.clean()
+
+    def rank_mask(self) -> torch.Tensor:
+        """Elastic mode: the device rank mask `[R]` int32 the kernels read (and set on timeouts)."""
+        if self._rank_mask is None:
+            raise ValueError("enable_shrink: the low-latency runtime was created without elastic mode")
+        return self._rank_mask
+
+    def local_buffer(self) -> torch.Tensor:
+        """The whole symmetric buffer as uint8: a view of the memory the kernels use."""
+        self.check_usable()
+        return _ext().ll_local_buffer(self._runtime)
 
     def destroy(self) -> None:
         """Free the symmetric buffer (collective); the runtime is unusable afterwards."""

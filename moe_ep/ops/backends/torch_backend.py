@@ -11,6 +11,11 @@ settings every rank must share, the ranks that did not arrive, and the counts th
 sizes come from: the senders' (dispatch) or both sides' (cached dispatch, combine, low-latency
 combine, whose sizes come from a handle or a top-k that a rank may have mixed up), compared before
 any data moves. So an operation costs one exchange of counts and its data collective, nothing more.
+
+Elastic low-latency mode: the rank mask is honoured (masked ranks send and receive nothing, and every
+rank must mask the same ranks, which the dispatch checks), but this backend cannot survive a dead
+peer: its collectives need every rank of the group, so a rank that stops makes the others raise
+`PeerTimeoutError` after `MOE_EP_TIMEOUT_S` instead of masking it (the CUDA backend masks it).
 """
 
 from __future__ import annotations
@@ -23,7 +28,7 @@ from typing import TYPE_CHECKING, Mapping, NamedTuple, Optional, Sequence
 import torch
 import torch.distributed as dist
 
-from .. import fp8, routing
+from .. import fp8, logfmt, routing
 from ..handles import DispatchHandle, LowLatencyHandle
 from ..requests import (CombineRequest, DispatchRequest, LowLatencyCombineRequest, LowLatencyDispatchRequest,
                         Request)
@@ -178,6 +183,7 @@ class TorchBackend(CommBackend):
         self._timed_waits = dist.get_backend(group) != "nccl"
         self._op = "agree"  # the operation in progress, for the errors of its exchanges
         self._fields: Mapping[str, int] = {}  # its settings, until its first exchange carries them
+        self._rank_mask = torch.zeros(num_ranks, dtype=torch.int32)  # elastic mode: 1 = left out
 
     # ------------------------------------------------------------------ collectives
 
@@ -378,8 +384,11 @@ class TorchBackend(CommBackend):
         slots = num_ranks * request.num_max_dispatch_tokens_per_rank
         hidden = x.size(1)
 
-        pairs = routing.expert_major_pairs(request.topk_idx, num_experts)
-        table = self._all_gather_rows(pairs.count_per_expert)  # [R_src, E]
+        pairs = routing.expert_major_pairs(self._routed(request.topk_idx, num_experts), num_experts)
+        # The counts carry each rank's mask along, so that every rank checks that all masks agree.
+        mask = self._rank_mask.to(device=device, dtype=pairs.count_per_expert.dtype)
+        table = self._all_gather_rows(torch.cat([pairs.count_per_expert, mask]))  # [R_src, E + R]
+        self._check_same_masks(table[:, num_experts:])
         counts = table[:, rank * num_local:(rank + 1) * num_local]  # [R_src, E_local]
         send_counts = pairs.count_per_expert.view(num_ranks, num_local).sum(1).tolist()
         recv_counts = counts.sum(1).tolist()
@@ -427,8 +436,8 @@ class TorchBackend(CommBackend):
         if request.zero_copy:
             x = self.get_next_low_latency_combine_buffer(handle)
         slots = self.num_ranks * handle.num_max_dispatch_tokens_per_rank
-        rows, back_counts = routing.gather_rows_by_layout(handle.layout_range, slots)
-        pairs = routing.expert_major_pairs(topk_idx, handle.num_experts)
+        rows, back_counts = routing.gather_rows_by_layout(self._kept_layout(handle.layout_range), slots)
+        pairs = routing.expert_major_pairs(self._routed(topk_idx, handle.num_experts), handle.num_experts)
         num_local = handle.num_experts // self.num_ranks
         send_counts = back_counts.tolist()
         recv_counts = pairs.count_per_expert.view(self.num_ranks, num_local).sum(1).tolist()
@@ -460,6 +469,8 @@ class TorchBackend(CommBackend):
                 at = (rank_of_slot[present, slot], tokens[present])
                 partial[at] += topk_weights[present, slot, None] * y[pair_of_slot[present, slot]]
             partial = partial.to(torch.bfloat16)
+            if request.use_logfmt:  # what the receiver decodes of the partial rows sent in LogFMT-10
+                partial = logfmt.round_trip(partial.view(-1, x.size(-1))).view(partial.shape)
             acc = torch.zeros(num_tokens, x.size(-1), dtype=torch.float32, device=x.device)
             for rank in range(self.num_ranks):
                 acc += partial[rank].float()
@@ -469,6 +480,41 @@ class TorchBackend(CommBackend):
             return combined, receive
         receive()
         return combined, None
+
+    def rank_mask(self) -> torch.Tensor:
+        return self._rank_mask
+
+    def _left_out(self, device: torch.device) -> Optional[torch.Tensor]:
+        """`[R]` bool, the ranks this rank's low-latency operations leave out (all of them when it is
+        masked itself), or None when none is masked."""
+        if not bool(self._rank_mask.any()):
+            return None
+        if bool(self._rank_mask[self.rank]):
+            return torch.ones(self.num_ranks, dtype=torch.bool, device=device)
+        return self._rank_mask.to(device=device, dtype=torch.bool)
+
+    def _routed(self, topk_idx: torch.Tensor, num_experts: int) -> torch.Tensor:
+        """`topk_idx` without the slots whose expert lives on a rank left out (-1 there)."""
+        left_out = self._left_out(topk_idx.device)
+        if left_out is None:
+            return topk_idx
+        owner = topk_idx.clamp(min=0) // (num_experts // self.num_ranks)
+        return torch.where((topk_idx >= 0) & ~left_out[owner], topk_idx, -1)
+
+    def _kept_layout(self, layout_range: torch.Tensor) -> torch.Tensor:
+        """A dispatch's `layout_range` without the rows of sources left out now (a combine returns none)."""
+        left_out = self._left_out(layout_range.device)
+        if left_out is None:
+            return layout_range
+        count, begin = routing.unpack_layout_range(layout_range)
+        return routing.pack_layout_range(torch.where(left_out[None, :], 0, count), begin)
+
+    def _check_same_masks(self, masks: torch.Tensor) -> None:
+        """Every rank's rank mask `[R, R]` (gathered with the dispatch counts) must be the same."""
+        if bool((masks != masks[0]).any()):
+            masked = {rank: [r for r, m in enumerate(row) if m] for rank, row in enumerate(masks.tolist())}
+            raise PeerInputError(f"{self._op}: the ranks mask different ranks (elastic mode, masked ranks per rank: "
+                                 f"{masked}); every rank must mask the same ranks")
 
     def get_next_low_latency_combine_buffer(self, handle: LowLatencyHandle) -> torch.Tensor:
         num_local = handle.num_experts // self.num_ranks
