@@ -52,7 +52,7 @@ shift || true
 # Seconds per test file (the files run one after another; a file past its time is stopped with SIGINT).
 declare -A FILE_TIMEOUTS=(
     [test_cuda_backend.py]=150 [test_low_latency_cuda.py]=240 [test_moe_layer_gpu.py]=150
-    [test_autograd_gpu.py]=90 [test_fp8_gemm_cuda.py]=90 [test_internode_cuda.py]=300 [test_dist_pool_gpu.py]=60 [test_torch_backend_nccl.py]=120
+    [test_autograd_gpu.py]=90 [test_fp8_gemm_cuda.py]=90 [test_internode_cuda.py]=200 [test_low_latency_v1_cuda.py]=300 [test_dist_pool_gpu.py]=60 [test_torch_backend_nccl.py]=120
 )
 # MOE_EP_BUILD_LOW_LATENCY=0 leaves the low-latency part out of the build (setup.py).
 has() { [[ ",$PARTS," == *",$1,"* ]]; }
