@@ -126,6 +126,13 @@ def test_encode_and_decode_follow_the_definition(hidden: int) -> None:
     assert torch.equal(logfmt.round_trip(rows).view(torch.int16), decoded.view(torch.int16))
 
 
+def test_no_rows_round_trip() -> None:
+    """A rank with no tokens encodes and decodes zero rows (the combine's receive calls it so)."""
+    rows = torch.empty(0, 512, dtype=torch.bfloat16)
+    encoded = logfmt.encode(rows)
+    assert encoded.wire.size(0) == 0 and logfmt.round_trip(rows).shape == (0, 512)
+
+
 def test_blocks_of_magnitude_one_and_more_pass_exactly() -> None:
     rows = _rows(7, 5, 1024)
     decoded = logfmt.round_trip(rows).view(torch.int16).view(5, 8, 128)

@@ -132,7 +132,7 @@ def decode(wire: torch.Tensor, compact: torch.Tensor, hidden: int) -> torch.Tens
     encoded, lo, span = _header_fields(headers)
     offsets = _payload_offsets(encoded[..., 0], hidden)
     position = (offsets[..., None] + torch.arange(_RAW_BYTES, device=device)).clamp(max=2 * hidden - 1)
-    payload = wire.gather(1, position.view(num_rows, -1)).view(num_rows, groups, _RAW_BYTES)
+    payload = wire.gather(1, position.view(num_rows, groups * _RAW_BYTES)).view(num_rows, groups, _RAW_BYTES)
 
     chunks = payload[..., :ENCODED_BYTES].long().view(num_rows, groups, _CHUNKS, 10, 1)
     chunk_bits = ((chunks >> torch.arange(8, device=device)) & 1).view(num_rows, groups, _CHUNKS, 8, 10)
