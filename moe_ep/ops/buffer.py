@@ -315,9 +315,8 @@ class Buffer:
         return backend, request
 
     def _scope(self, device: torch.device, previous_event: Optional[EventOverlap], async_finish: bool,
-               allocate_on_comm_stream: bool, inline_when_sync: bool = False) -> StreamScope:
-        return StreamScope(self._streams, device, previous_event, async_finish, allocate_on_comm_stream,
-                           inline_when_sync)
+               allocate_on_comm_stream: bool) -> StreamScope:
+        return StreamScope(self._streams, device, previous_event, async_finish, allocate_on_comm_stream)
 
     def _require_low_latency(self, op: str) -> None:
         if not self.low_latency_mode:
@@ -348,8 +347,7 @@ class Buffer:
             check.check_num_experts(num_experts, self.group_size)
             check.check_topk_values("topk_idx", topk_idx, num_experts)
         backend = self._normal_backend_for(topk_idx, "get_dispatch_layout")
-        scope = self._scope(topk_idx.device, previous_event, async_finish, allocate_on_comm_stream,
-                            inline_when_sync=True)
+        scope = self._scope(topk_idx.device, previous_event, async_finish, allocate_on_comm_stream)
         with scope.run():
             layout = backend.get_dispatch_layout(topk_idx, num_experts)
         event = scope.finish([topk_idx], list(layout))
@@ -416,8 +414,7 @@ class Buffer:
             return request
 
         backend, request = self._request(op, x[0] if isinstance(x, tuple) and x else x, build)
-        scope = self._scope(request.x.device, previous_event, async_finish, allocate_on_comm_stream,
-                            inline_when_sync=True)
+        scope = self._scope(request.x.device, previous_event, async_finish, allocate_on_comm_stream)
         fp8 = request.x_scales is not None
         if request.cached:
             with scope.run():
@@ -460,8 +457,7 @@ class Buffer:
         config = config if config is not None else self.get_combine_config(self.group_size)
         backend, request = self._request("combine", x, lambda: check.combine_request(
             x, handle, topk_weights, bias, config, self.group_size))
-        scope = self._scope(request.x.device, previous_event, async_finish, allocate_on_comm_stream,
-                            inline_when_sync=True)
+        scope = self._scope(request.x.device, previous_event, async_finish, allocate_on_comm_stream)
         with scope.run():
             combined_x, combined_weights = backend.combine(request)
         return combined_x, combined_weights, scope.finish(request.inputs(), [combined_x, combined_weights])

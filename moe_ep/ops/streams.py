@@ -26,11 +26,10 @@ class CommStreams:
 class StreamScope:
     """Where one Buffer call's work runs, with DeepEP's event semantics.
 
-    Work inside `run` goes to the comm stream after `previous_event` (or the current stream). With
-    `inline_when_sync`, a call that waits for no event and does not finish asynchronously runs on the
-    current stream instead: the comm stream would wait for everything queued on the current stream and
-    the current stream for the comm stream right after, the same order as running in line, which
-    needs no event, stream switch or stream record.
+    Work inside `run` goes to the comm stream after `previous_event` (or the current stream), every
+    call's: the one comm stream keeps the Buffer's operations in order, whatever events a caller passes
+    (running a synchronous call on the current stream instead would let a later call that waits only
+    for an older event overlap it, two kernels in the same buffer).
 
     `finish(inputs, outputs)` records the completion event, keeps inputs and outputs alive for the
     stream that uses them, and makes the current stream wait unless `async_finish`.
@@ -43,15 +42,13 @@ class StreamScope:
         previous_event: Optional[EventOverlap],
         async_finish: bool,
         allocate_on_comm_stream: bool,
-        inline_when_sync: bool = False,
     ) -> None:
         if allocate_on_comm_stream and (previous_event is None or not async_finish):
             raise ValueError("allocate_on_comm_stream: requires previous_event and async_finish=True")
         self.async_finish = async_finish
         self.allocate_on_comm_stream = allocate_on_comm_stream
         waits = previous_event is not None and previous_event.event is not None
-        inline = inline_when_sync and not waits and not async_finish
-        self.on_comm_stream = device.type == "cuda" and not inline
+        self.on_comm_stream = device.type == "cuda"
         if self.on_comm_stream:
             self.compute = torch.cuda.current_stream(device)
             self.comm = streams.get(device)
