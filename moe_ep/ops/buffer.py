@@ -413,6 +413,7 @@ class Buffer:
                                                self.node_topology(), request.x.device)
             return request
 
+        _await_for_value_checks(previous_event)
         backend, request = self._request(op, x[0] if isinstance(x, tuple) and x else x, build)
         scope = self._scope(request.x.device, previous_event, async_finish, allocate_on_comm_stream)
         fp8 = request.x_scales is not None
@@ -455,6 +456,7 @@ class Buffer:
         (float64 for fp64) in rank order (docs/semantics.md).
         """
         config = config if config is not None else self.get_combine_config(self.group_size)
+        _await_for_value_checks(previous_event)
         backend, request = self._request("combine", x, lambda: check.combine_request(
             x, handle, topk_weights, bias, config, self.group_size))
         scope = self._scope(request.x.device, previous_event, async_finish, allocate_on_comm_stream)
@@ -635,6 +637,14 @@ class Buffer:
         """`combine` (see `internode_dispatch`)."""
         return self.combine(x, handle, topk_weights, bias, config, previous_event, async_finish,
                             allocate_on_comm_stream)
+
+
+def _await_for_value_checks(previous_event: Optional[EventOverlap]) -> None:
+    """With value checks on, the current stream first waits for `previous_event`: the checks read the
+    layout or handle tensors on the current stream, and an asynchronous `get_dispatch_layout` or
+    dispatch may still be writing them on the comm stream (the checks synchronize the host anyway)."""
+    if previous_event is not None and check.value_checks_enabled():
+        previous_event.current_stream_wait()
 
 
 def _is_nccl(group: dist.ProcessGroup) -> bool:
