@@ -75,6 +75,7 @@ KERNELS = {
                 "low_latency": r"internode_ll::(dispatch|combine)<"},
 }
 NCCL_KERNEL = r"(?i)nccl"
+TABLE_MARK = "---------------- side by side"  # the line before the table (scripts/side_by_side.sh prints from it)
 TINY = {"tokens": 64, "hidden": 256, "experts": 16, "topk": 4, "ll_tokens": 8, "warmup": 1, "iters": 3,
         "dispatch_chunks": ["default"], "combine_chunks": ["default"], "ring_slots": [256], "nvl_bytes": 1 << 26}
 
@@ -197,6 +198,11 @@ def run_library(rank: int, world: int, device: torch.device, args: argparse.Name
         _normal_mode(lib, rank, world, device, args, part, extra)
     if "ll" in args.ops:
         _low_latency_mode(lib, rank, world, device, args, part, extra)
+    if torch.cuda.is_available():
+        # moe_ep does not finalise NVSHMEM: skip the interpreter's teardown once every rank is done, as
+        # bench_low_latency.py does (the launcher takes exit status 0 as success).
+        dist.barrier()
+        os._exit(0)
 
 
 def _configs(lib: Any, world: int, args: argparse.Namespace, kind: str) -> list[tuple[str, Any]]:
@@ -218,10 +224,19 @@ def _configs(lib: Any, world: int, args: argparse.Namespace, kind: str) -> list[
     return out
 
 
-def _fastest(configs: list[tuple[str, Any]], time_us: Callable[[Any], float]) -> tuple[str, Any, dict[str, float]]:
-    """The candidate with the smallest `time_us`, and every candidate's time."""
-    sweep = {label: time_us(config) for label, config in configs}
-    label = min(sweep, key=lambda k: sweep[k] if not math.isnan(sweep[k]) else math.inf)
+def _fastest(configs: list[tuple[str, Any]], time_us: Callable[[Any], float]) -> tuple[str, Any, dict[str, object]]:
+    """The candidate with the smallest `time_us`, and every candidate's time (or why the library refused
+    it: a config's sizes are checked on the host, the same on every rank, before anything is sent)."""
+    sweep: dict[str, object] = {}
+    for label, config in configs:
+        try:
+            sweep[label] = time_us(config)
+        except (ValueError, RuntimeError, AssertionError) as exc:
+            sweep[label] = f"{type(exc).__name__}: {exc}".splitlines()[0][:200]
+    timed = {k: v for k, v in sweep.items() if isinstance(v, float) and not math.isnan(v)}
+    if not timed:
+        raise RuntimeError(f"no config ran: {sweep}")
+    label = min(timed, key=timed.__getitem__)
     return label, dict(configs)[label], sweep
 
 
@@ -411,12 +426,15 @@ def _run_phase(phase: str, args: argparse.Namespace, part: str, timeout: float) 
     command = [sys.executable, os.path.abspath(__file__), *sys.argv[1:], "--phase", phase, "--part", part]
     started = time.monotonic()
     proc = subprocess.Popen(command, start_new_session=True)
+    status: object = f"stopped after {timeout:.0f} s"
     try:
-        status: object = proc.wait(timeout=timeout)
+        status = proc.wait(timeout=timeout)
     except subprocess.TimeoutExpired:
-        os.killpg(proc.pid, signal.SIGKILL)
-        proc.wait()
-        status = f"stopped after {timeout:.0f} s"
+        pass
+    finally:  # also when this process is stopped itself (SIGTERM, see main): no rank outlives it
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()
     result: dict[str, Any] = {"status": status, "seconds": round(time.monotonic() - started, 1)}
     if os.path.exists(part):
         with open(part) as f:
@@ -554,6 +572,8 @@ def main() -> int:
     args = _parse()
     if args.phase is not None:
         return _phase_main(args)
+    # A timeout stopping this process raises SystemExit here, so that the running phase is stopped too.
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
     report: dict[str, Any] = {
         "command": " ".join([os.path.basename(sys.executable), *sys.argv]), "args": vars(args),
         "device": torch.cuda.get_device_name(0) if torch.cuda.is_available() else "CPU",
@@ -575,7 +595,7 @@ def main() -> int:
             os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
             with open(args.out, "w") as f:
                 json.dump(report, f, indent=1)
-    print(table(report), flush=True)
+    print(f"{TABLE_MARK}\n{table(report)}", flush=True)
     return 1 if failed else 0
 
 

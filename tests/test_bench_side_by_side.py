@@ -122,3 +122,27 @@ def test_a_deepep_v1_module_is_found(monkeypatch, tmp_path: Path) -> None:
     assert module is fake and where == str(tmp_path / "deep_ep")
     del fake.Buffer.low_latency_dispatch  # a deep_ep without DeepEP V1's Buffer (V2's, say) is refused
     assert sbs.find_deep_ep("")[0] is None
+
+
+SCRIPT = ROOT / "scripts" / "side_by_side.sh"
+
+
+def test_script_parses() -> None:
+    subprocess.run(["bash", "-n", str(SCRIPT)], check=True)
+
+
+@pytest.mark.parametrize("argv", [["ep16"], ["ep4", "build,bench"]])
+def test_script_refuses_an_unknown_mode_or_part(argv: list[str], tmp_path: Path) -> None:
+    proc = subprocess.run(["bash", str(SCRIPT), *argv], env={**os.environ, "OUT": str(tmp_path)},
+                          capture_output=True, text=True, timeout=60)
+    assert proc.returncode == 2 and ("mode 'ep16'" in proc.stderr or "unknown part 'bench'" in proc.stderr)
+
+
+def test_script_without_a_deepep_snapshot_says_so_and_still_summarizes(tmp_path: Path) -> None:
+    env = {**os.environ, "OUT": str(tmp_path), "DEEPEP_DIR": str(tmp_path / "absent"), "CALL_BUDGET_S": "120"}
+    proc = subprocess.run(["bash", str(SCRIPT), "ep4", "deepep"], env=env, capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 1
+    assert "no DeepEP snapshot at" in (tmp_path / "build.log").read_text()
+    summary = proc.stdout[proc.stdout.index("================ summary"):]
+    assert "build DeepEP: FAILED" in summary
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["build.log", "files.tgz", "gpus.txt", "side_by_side.log"]
