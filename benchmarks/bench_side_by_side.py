@@ -55,21 +55,20 @@ import torch.distributed as dist
 
 import moe_ep
 from bench_internode import _workload
+from bench_low_latency import LOW_LATENCY_KERNELS
 from moe_ep.deep_ep_alias import ALIAS_MARKER
 from moe_ep.launch import launch
 from moe_ep.ops import fp8
 from moe_ep.ops.config import COMBINE_PATHS
 from timing import all_to_all_rows, every_rank, kernel_median_us, kernel_times_by_launch_us, median_time_us
 
-# DeepEP does no value checks of topk_idx; time the communication, not moe_ep's input checks.
-os.environ.setdefault("MOE_EP_CHECK_VALUES", "0")
 PHASES = ("nccl", "moe_ep", "deep_ep")
 OPS = ("normal", "ll")
 # Profiler kernel names (regular expressions) of each library's kernels.
 KERNELS = {
     "moe_ep": {"layout": r"dispatch_layout_kernel", "notify": r"notify_dispatch_kernel",
                "dispatch": r"(?<![A-Za-z_])dispatch_kernel", "combine": r"(?<![A-Za-z_])combine_kernel",
-               "low_latency": r"(?<![A-Za-z_])(dispatch|combine)_kernel"},
+               "low_latency": LOW_LATENCY_KERNELS},
     "deep_ep": {"layout": r"get_dispatch_layout", "notify": r"intranode::(cached_)?notify_dispatch<",
                 "dispatch": r"intranode::dispatch<", "combine": r"intranode::combine<",
                 "low_latency": r"internode_ll::(dispatch|combine)<"},
@@ -493,12 +492,14 @@ def table(report: dict) -> str:
         our_kernel, their_kernel = _value(ours, op, "kernel_us"), _value(theirs, their_op, "kernel_us")
         nccl_call, nccl_kernel = _value(nccl, exchange, "call_us"), _value(nccl, exchange, "kernel_us")
         nccl_cell = "-" if math.isnan(nccl_call) else f"{nccl_call:.1f} ({_us(nccl_kernel)})"
-        unsupported = [f"{who} {entry['unsupported']}" for who, entry in
-                       (("moe_ep:", ours.get("ops", {}).get(op, {})), ("DeepEP:", theirs.get("ops", {}).get(op, {})))
-                       if "unsupported" in entry]
+        ours_op, theirs_op = ours.get("ops", {}).get(op, {}), theirs.get("ops", {}).get(their_op, {})
+        notes = [f"{who} {entry['unsupported']}" for who, entry in (("moe_ep:", ours_op), ("DeepEP:", theirs_op))
+                 if "unsupported" in entry]
+        if "ran" in ours_op:
+            notes.append(f"moe_ep ran the {ours_op['ran']} path")
         lines.append(f"{label:22s} {_us(our_call):>11s} {_us(their_call):>11s} {nccl_cell:>16s} {_us(our_kernel):>13s} "
                      f"{_us(their_kernel):>13s}  {_ratio(their_call, our_call)} {_ratio(nccl_call, our_call)} "
-                     f"{_ratio(their_kernel, our_kernel)}" + (f"  ({'; '.join(unsupported)})" if unsupported else ""))
+                     f"{_ratio(their_kernel, our_kernel)}" + (f"  ({'; '.join(notes)})" if notes else ""))
     sizes = [f"{op} {entry['remote_mb_max']:.2f} MB" for op, entry in nccl.get("ops", {}).items()]
     if sizes:
         lines.append(f"remote bytes the busiest rank receives: {', '.join(sizes)}")
@@ -569,6 +570,9 @@ def _parse() -> argparse.Namespace:
 
 
 def main() -> int:
+    # DeepEP does no value checks of topk_idx; time the communication, not moe_ep's input checks (the
+    # phases and their ranks inherit it).
+    os.environ.setdefault("MOE_EP_CHECK_VALUES", "0")
     args = _parse()
     if args.phase is not None:
         return _phase_main(args)
