@@ -208,6 +208,10 @@ if has sbs; then
     deepep_built && args+=(--deepep require)
     [[ $MODE == ep8 ]] && args+=(--combine-paths auto,staged,rings)
     shares "$EP" && args+=($SMALL_ARGS)
+    if shares "$EP" && (( EP > 4 )); then  # every rank is an NVSHMEM PE in low-latency mode
+        args+=(--ops normal)
+        summary+=("side by side: low-latency mode left out: at most 4 NVSHMEM PEs share a GPU (docs/testing.md)")
+    fi
     side_by_side "side by side, EP$EP" "${SBS_TIMEOUT:-450}" "${args[@]}" ${SBS_ARGS:-}
 fi
 
