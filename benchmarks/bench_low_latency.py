@@ -39,7 +39,6 @@ import argparse
 import datetime
 import json
 import os
-import statistics
 import sys
 from typing import Callable
 
@@ -53,36 +52,18 @@ from moe_ep.ops.backends import cuda_low_latency
 from moe_ep.ops.backends.cuda_low_latency import LowLatencyRuntime
 from moe_ep.ops.config import low_latency_buffer_bytes
 from moe_ep.ops.requests import LowLatencyCombineRequest, LowLatencyDispatchRequest
-from timing import hold_then_start_in_step, median_time_us, queued_time_us, slowest_rank
+from timing import kernel_times_by_launch_us, median_time_us, queued_time_us, slowest_rank
+
+
+# The low-latency kernels of moe_ep._low_latency(_p2p): hook mode launches each again for its receive phase.
+LOW_LATENCY_KERNELS = r"dispatch_kernel|combine_kernel"
 
 
 def _kernel_times_us(fn: Callable[[], object], warmup: int, iters: int, names: list[str],
                      queued: bool = True) -> list[float]:
-    """Median durations of the low-latency kernels `fn` launches, one entry per launch of an iteration
-    (in launch order; `names` says what each is).
-
-    `queued` (as DeepEP's benchmarks time these kernels): a long matmul holds the GPU while the host
-    queues every iteration, then an all-reduce starts all ranks together, so the kernels run back to back
-    in step. Without it, each iteration starts when the host launches it, and a kernel also holds the
-    wait for the slowest rank's launch."""
-    from torch.profiler import ProfilerActivity, profile
-
-    for _ in range(warmup):
-        fn()
-    torch.cuda.synchronize()
-    dist.barrier()
-    with profile(activities=[ProfilerActivity.CUDA]) as prof:
-        if queued:
-            hold_then_start_in_step()
-        for _ in range(iters):
-            fn()
-        torch.cuda.synchronize()
-    kernels = sorted((e for e in prof.events() if "dispatch_kernel" in e.name or "combine_kernel" in e.name),
-                     key=lambda e: e.time_range.start)
-    if len(kernels) != iters * len(names):
-        raise RuntimeError(f"profiler saw {len(kernels)} low-latency kernels, expected {iters * len(names)}")
-    per_slot = [[kernels[i * len(names) + j].time_range.elapsed_us() for i in range(iters)] for j in range(len(names))]
-    return [slowest_rank(statistics.median(times)) for times in per_slot]
+    """Median durations of the low-latency kernels `fn` launches, one per launch of an iteration (in
+    launch order; `names` says what each is): `timing.kernel_times_by_launch_us`."""
+    return kernel_times_by_launch_us(fn, LOW_LATENCY_KERNELS, names, warmup, iters, queued)
 
 
 def _routing(tokens: int, num_experts: int, topk: int, seed: int) -> tuple[torch.Tensor, torch.Tensor]:
