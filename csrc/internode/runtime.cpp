@@ -1,5 +1,7 @@
 #include "internode/runtime.hpp"
 
+#include "low_latency/nvshmem_runtime.hpp"
+
 #include <nvshmem_host.h>
 
 #include <stdexcept>
@@ -10,8 +12,6 @@ namespace moe_ep {
 namespace in = kernels::internode;
 
 namespace {
-
-constexpr size_t kSymmetricBufferAlignment = 4096;
 
 const char* wait_name(int code) {
     switch (code) {
@@ -34,11 +34,7 @@ InternodeRuntime::InternodeRuntime(int rank, int num_ranks, int64_t num_bytes, d
                                  " of " + std::to_string(nvshmem_n_pes()) + ", expected " + std::to_string(rank) +
                                  " of " + std::to_string(num_ranks));
     cuda_check(cudaGetDevice(&device_), "cudaGetDevice");
-    base_ = static_cast<uint8_t*>(nvshmem_align(kSymmetricBufferAlignment, static_cast<size_t>(num_bytes_)));
-    if (base_ == nullptr)
-        throw std::runtime_error("nvshmem_align: could not allocate " + std::to_string(num_bytes_) +
-                                 " bytes of symmetric memory (num_rdma_bytes)");
-    cuda_check(cudaMemset(base_, 0, num_bytes_), "cudaMemset(symmetric buffer)");
+    base_ = NvshmemRuntime::allocate_symmetric(num_bytes_);
     cuda_check(cudaMalloc(&state_, sizeof(in::State)), "cudaMalloc(state)");
     cuda_check(cudaMemset(state_, 0, sizeof(in::State)), "cudaMemset(state)");
     cuda_check(cudaDeviceSynchronize(), "cudaDeviceSynchronize");

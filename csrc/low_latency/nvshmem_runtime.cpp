@@ -60,6 +60,15 @@ void NvshmemRuntime::init(const std::string& unique_id, int rank, int num_ranks)
     g_num_ranks = num_ranks;
 }
 
+uint8_t* NvshmemRuntime::allocate_symmetric(int64_t num_bytes) {
+    auto* base = static_cast<uint8_t*>(nvshmem_align(kSymmetricBufferAlignment, static_cast<size_t>(num_bytes)));
+    if (base == nullptr)
+        throw std::runtime_error("nvshmem_align: could not allocate " + std::to_string(num_bytes) +
+                                 " bytes of symmetric memory (num_rdma_bytes)");
+    cuda_check(cudaMemset(base, 0, num_bytes), "cudaMemset(symmetric buffer)");
+    return base;
+}
+
 NvshmemRuntime::NvshmemRuntime(int rank, int num_ranks, int64_t num_bytes, double timeout_s, bool puts_only,
                                bool shrink, int ranks_per_node)
     : rank_(rank), num_ranks_(num_ranks), num_bytes_(kernels::align_buffer_bytes(num_bytes)), timeout_s_(timeout_s) {
@@ -77,11 +86,7 @@ NvshmemRuntime::NvshmemRuntime(int rank, int num_ranks, int64_t num_bytes, doubl
                                     std::to_string(kernels::ll::kMaxElasticRanks) + " ranks, got " +
                                     std::to_string(num_ranks));
     cuda_check(cudaGetDevice(&device_), "cudaGetDevice");
-    base_ = static_cast<uint8_t*>(nvshmem_align(kSymmetricBufferAlignment, static_cast<size_t>(num_bytes_)));
-    if (base_ == nullptr)
-        throw std::runtime_error("nvshmem_align: could not allocate " + std::to_string(num_bytes_) +
-                                 " bytes of symmetric memory (num_rdma_bytes)");
-    cuda_check(cudaMemset(base_, 0, num_bytes_), "cudaMemset(symmetric buffer)");
+    base_ = allocate_symmetric(num_bytes_);
 
     // Peers whose buffer NVSHMEM maps into this process are written with plain stores (with
     // `puts_only`, only this rank's own; with `ranks_per_node`, only those of this rank's node).

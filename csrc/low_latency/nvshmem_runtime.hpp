@@ -30,6 +30,10 @@ class NvshmemRuntime {
     NvshmemRuntime(const NvshmemRuntime&) = delete;
     NvshmemRuntime& operator=(const NvshmemRuntime&) = delete;
 
+    // `num_bytes` of zeroed symmetric memory on a page of its own (collective: every rank calls it in
+    // the same order); throws if NVSHMEM cannot allocate it. Shared with internode mode's runtime.
+    static uint8_t* allocate_symmetric(int64_t num_bytes);
+
     // Frees the symmetric buffer (collective, after a timed barrier: a rank that does not destroy its
     // Buffer makes the others raise). The runtime is unusable afterwards.
     void destroy();
