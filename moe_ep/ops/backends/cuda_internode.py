@@ -9,8 +9,8 @@ network leg runs over whichever remote transport NVSHMEM picks (IBGDA, IBRC, UCX
 the node leg over NVLink; virtual nodes on one host run both over P2P. The results are the torch
 backend's bit for bit, by construction: only the byte transport differs.
 
-The counts travel through the Buffer's process group (one all-gather, as the torch path), and the
-host waits for them: a call costs that collective and a host sync besides the kernels.
+The counts travel with the operation's agreement through the process group's store (as on the torch
+path), and the host waits for them: a call costs that exchange and a host sync besides the kernels.
 """
 
 from __future__ import annotations
