@@ -300,6 +300,51 @@ def test_rows_padded_for_the_cuda_legs_give_the_same_results(dist_pool, case: Ca
     assert sum(dist_pool(4).run(_padded_round_trip, 2, asdict(case))) > 0
 
 
+class _ExchangeOverGloo:
+    """Stands in for `moe_ep._low_latency.internode_exchange` on the CPU: checks the team and counts the
+    CUDA legs pass, then moves the same rows with one `all_to_all_single` over the whole group (nothing
+    to ranks outside the team)."""
+
+    def internode_exchange(self, runtime: object, send: torch.Tensor, recv: torch.Tensor, pes: list[int], me: int,
+                           send_counts: list[int], recv_counts: list[int], channels: int, chunk_rows: int,
+                           ring_rows: int) -> None:
+        rank, world = dist.get_rank(), dist.get_world_size()
+        assert pes == sorted(set(pes)) and pes[me] == rank, (pes, me, rank)
+        assert send.size(1) % 16 == 0 and send.size(0) == sum(send_counts) and recv.size(0) == sum(recv_counts)
+        assert channels >= 1 and 1 <= chunk_rows <= ring_rows
+        full_send, full_recv = [0] * world, [0] * world
+        for pe, sent, received in zip(pes, send_counts, recv_counts):
+            full_send[pe], full_recv[pe] = sent, received
+        dist.all_to_all_single(recv, send, full_recv, full_send)
+
+
+class _FitsAlways:
+    def check_fits(self, *sizes: int) -> None:
+        pass
+
+
+def _cuda_legs_round_trip(rank: int, world: int, ranks_per_node: int, case: dict) -> int:
+    """`_round_trip` through the CUDA backend's `NvshmemLegs` (teams, members, counts, padding), with the
+    kernel replaced by `_ExchangeOverGloo`."""
+    from moe_ep.ops.backends import cuda_internode
+
+    internode = _buffer(ranks_per_node)._torch.internode
+    saved_legs, saved_module = internode.legs, cuda_internode.nvshmem_module
+    internode.legs = cuda_internode.NvshmemLegs(_FitsAlways(), internode.topology, torch.device("cpu"))
+    cuda_internode.nvshmem_module = _ExchangeOverGloo
+    try:
+        return _round_trip(rank, world, ranks_per_node, case)
+    finally:
+        internode.legs, cuda_internode.nvshmem_module = saved_legs, saved_module
+
+
+@pytest.mark.parametrize("shape,case", [((2, 3), RANDOM), ((4, 1), EVERY_NODE), ((2, 2), FP8), ((3, 2), WORST)],
+                         ids=lambda v: f"{v[0]}x{v[1]}" if isinstance(v, tuple) else v.name)
+def test_cuda_legs_pass_the_teams_and_counts_the_path_needs(dist_pool, shape: tuple[int, int], case: Case) -> None:
+    nodes, size = shape
+    assert sum(dist_pool(nodes * size).run(_cuda_legs_round_trip, size, asdict(case))) > 0
+
+
 def _formula_matters(rank: int, world: int) -> bool:
     """Whether the two-level combine differs from the one-level sum somewhere (so the tests can tell them apart)."""
     c = replace(RANDOM, topk=6)
