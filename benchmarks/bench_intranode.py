@@ -22,18 +22,16 @@ import datetime
 import itertools
 import json
 import os
-import queue
 import time
 from dataclasses import replace
 
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 
 import moe_ep
-from moe_ep.launch import free_port
 from moe_ep.ops import fp8
 from moe_ep.ops.config import COMBINE_PATHS
+from spawn import run_ranks
 from timing import kernel_median_us, median_time_us
 
 NVL_BYTES = 2 << 30
@@ -262,26 +260,7 @@ def _worker(rank: int, world: int, port: int, args: argparse.Namespace, results)
 
 
 def _run_world(world: int, args: argparse.Namespace) -> dict:
-    ctx = mp.get_context("spawn")
-    results = ctx.Queue()
-    port = free_port()
-    procs = [ctx.Process(target=_worker, args=(r, world, port, args, results)) for r in range(world)]
-    for proc in procs:
-        proc.start()
-    deadline = time.time() + args.timeout
-    while True:
-        try:
-            report = results.get(timeout=5)
-            break
-        except queue.Empty:
-            failed = [p.exitcode for p in procs if p.exitcode not in (None, 0)]
-            if failed or time.time() > deadline:
-                for proc in procs:
-                    proc.kill()
-                raise RuntimeError(f"world {world}: a rank failed (exit codes {failed}) or timed out")
-    for proc in procs:
-        proc.join(timeout=60)
-    return report
+    return run_ranks(_worker, world, args, args.timeout)
 
 
 def _table(reports: list[dict]) -> str:

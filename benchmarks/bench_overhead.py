@@ -27,7 +27,6 @@ import argparse
 import datetime
 import json
 import os
-import queue
 import statistics
 import tempfile
 import time
@@ -38,11 +37,10 @@ os.environ.setdefault("MOE_EP_CHECK_VALUES", "0")
 
 import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
-import torch.multiprocessing as mp  # noqa: E402
 
 import call_trace  # noqa: E402
+from spawn import run_ranks  # noqa: E402
 import moe_ep  # noqa: E402
-from moe_ep.launch import free_port  # noqa: E402
 from moe_ep.ops import fp8  # noqa: E402
 
 _MARK = "moe_ep_overhead_call_"
@@ -232,31 +230,10 @@ def _worker(rank: int, world: int, port: int, args: argparse.Namespace, results:
 
 
 def _run_world(world: int, args: argparse.Namespace) -> dict:
-    ctx = mp.get_context("spawn")
-    results = ctx.Queue()
-    port = free_port()
-    procs = [ctx.Process(target=_worker, args=(r, world, port, args, results)) for r in range(world)]
-    for proc in procs:
-        proc.start()
-    deadline = time.monotonic() + args.timeout
-    try:
-        while True:
-            try:
-                kind, value = results.get(timeout=5)
-                break
-            except queue.Empty:
-                dead = [r for r, p in enumerate(procs) if p.exitcode not in (None, 0)]
-                if dead or time.monotonic() > deadline:
-                    raise RuntimeError(f"world {world}: ranks {dead} died" if dead else
-                                       f"world {world}: no result within {args.timeout:g} s")
-        if kind != "ok":
-            raise RuntimeError(f"world {world} failed on {value}")
-        return value
-    finally:
-        for proc in procs:
-            proc.join(timeout=30)
-            if proc.is_alive():
-                proc.kill()
+    kind, value = run_ranks(_worker, world, args, args.timeout)
+    if kind != "ok":
+        raise RuntimeError(f"world {world} failed on {value}")
+    return value
 
 
 def _kernel_cell(kernel: dict[str, Any]) -> str:
