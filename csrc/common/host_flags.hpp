@@ -1,5 +1,6 @@
-// What every runtime (host side) shares: the CUDA error check and the pinned, device-mapped HostFlags
-// (common/comm.cuh) through which kernels report without a synchronization. Host-only, header-only.
+// What every runtime (host side) shares: the CUDA error check, the pinned, device-mapped HostFlags
+// (common/comm.cuh) through which kernels report without a synchronization, and what their error codes
+// mean. Host-only, header-only.
 #pragma once
 
 #include <cuda_runtime.h>
@@ -14,6 +15,18 @@ namespace moe_ep {
 
 inline void cuda_check(cudaError_t err, const char* what) {
     if (err != cudaSuccess) throw std::runtime_error(std::string(what) + ": " + cudaGetErrorString(err));
+}
+
+// What a kernel's error code (HostFlags::error) means, for the runtimes' messages.
+inline const char* describe_error(int code) {
+    switch (code) {
+        case kernels::kErrBarrierTimeout: return "a peer rank never reached the barrier (it is not calling the same "
+                                                 "operation, or it died)";
+        case kernels::kErrSendTimeout: return "a receiving rank stopped freeing ring slots";
+        case kernels::kErrRecvTimeout: return "a sending rank stopped delivering tokens";
+        case kernels::kErrInternalTimeout: return "a pipeline stage never completed";
+        default: return "unknown error";
+    }
 }
 
 // Zeroed HostFlags in pinned host memory mapped into the device; freed with the object or by `release`.

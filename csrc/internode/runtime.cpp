@@ -11,18 +11,6 @@ namespace moe_ep {
 
 namespace in = kernels::internode;
 
-namespace {
-
-const char* wait_name(int code) {
-    switch (code) {
-        case kernels::kErrSendTimeout: return "for a receiver to free ring slots";
-        case kernels::kErrRecvTimeout: return "for a sender's rows";
-        default: return "for a peer";
-    }
-}
-
-}  // namespace
-
 InternodeRuntime::InternodeRuntime(int rank, int num_ranks, int64_t num_bytes, double timeout_s)
     : rank_(rank), num_ranks_(num_ranks), num_bytes_(kernels::align_buffer_bytes(num_bytes)), timeout_s_(timeout_s) {
     if (num_bytes_ <= 0) throw std::invalid_argument("num_rdma_bytes: internode mode needs a positive size");
@@ -64,7 +52,7 @@ void InternodeRuntime::check_usable() const {
     const int code = flags_.host()->error;
     if (code != kernels::kOk)
         throw std::runtime_error(std::string("internode mode: an exchange gave up after ") +
-                                 std::to_string(timeout_s_) + " s waiting " + wait_name(code) +
+                                 std::to_string(timeout_s_) + " s: " + describe_error(code) +
                                  " (a peer is not calling the same operation, or it died); the buffer is unusable, "
                                  "recreate the process group and Buffer");
 }

@@ -7,21 +7,6 @@
 
 namespace moe_ep {
 
-namespace {
-
-const char* describe(int code) {
-    switch (code) {
-        case kernels::kErrBarrierTimeout: return "a peer rank never reached the barrier (it is not calling the same "
-                                                 "operation, or it died)";
-        case kernels::kErrSendTimeout: return "a receiving rank stopped freeing ring slots";
-        case kernels::kErrRecvTimeout: return "a sending rank stopped delivering tokens";
-        case kernels::kErrInternalTimeout: return "a pipeline stage never completed";
-        default: return "unknown error";
-    }
-}
-
-}  // namespace
-
 NvlRuntime::NvlRuntime(int rank, int num_ranks, int64_t num_nvl_bytes, double timeout_s)
     : rank_(rank), num_ranks_(num_ranks), data_bytes_(kernels::align_buffer_bytes(num_nvl_bytes)), timeout_s_(timeout_s) {
     if (num_ranks < 1 || num_ranks > kNumMaxNvlPeers)
@@ -119,7 +104,7 @@ void NvlRuntime::check_usable() {
     if (overflow.seq / 2 > overflows_raised_) raise_overflow(overflow);
     const int code = flags_.host()->error;
     if (code != kernels::kOk)
-        throw std::runtime_error(std::string("moe_ep CUDA backend: an earlier kernel failed: ") + describe(code) +
+        throw std::runtime_error(std::string("moe_ep CUDA backend: an earlier kernel failed: ") + describe_error(code) +
                                  "; the buffer is unusable, recreate the process group and Buffer");
 }
 
@@ -186,8 +171,8 @@ int NvlRuntime::wait_recv_count() {
 void NvlRuntime::fail_from_flags() {
     const int code = flags_.host()->error;
     broken_ = true;
-    broken_reason_ = describe(code);
-    throw std::runtime_error(std::string("moe_ep CUDA backend: ") + describe(code) + " (kernel timeout after " +
+    broken_reason_ = describe_error(code);
+    throw std::runtime_error(std::string("moe_ep CUDA backend: ") + describe_error(code) + " (kernel timeout after " +
                              std::to_string(timeout_s_) + " s)");
 }
 

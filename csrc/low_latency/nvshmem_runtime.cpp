@@ -10,10 +10,6 @@ namespace moe_ep {
 
 namespace {
 
-void cuda_check(cudaError_t err, const char* what) {
-    if (err != cudaSuccess) throw std::runtime_error(std::string(what) + ": " + cudaGetErrorString(err));
-}
-
 // The NVSHMEM job this process joined (NVSHMEM is initialised once per process).
 int g_rank = -1;
 int g_num_ranks = -1;
@@ -111,12 +107,6 @@ NvshmemRuntime::NvshmemRuntime(int rank, int num_ranks, int64_t num_bytes, doubl
         cuda_check(cudaMalloc(&verdicts_, sizeof(uint64_t) * num_ranks), "cudaMalloc(verdicts)");
         cuda_check(cudaMemset(verdicts_, 0, sizeof(uint64_t) * num_ranks), "cudaMemset(verdicts)");
     }
-    void* flags = nullptr;
-    cuda_check(cudaHostAlloc(&flags, sizeof(kernels::HostFlags), cudaHostAllocMapped), "cudaHostAlloc");
-    flags_ = static_cast<kernels::HostFlags*>(flags);
-    std::memset(flags_, 0, sizeof(kernels::HostFlags));
-    void* flags_dev = nullptr;
-    cuda_check(cudaHostGetDevicePointer(&flags_dev, flags, 0), "cudaHostGetDevicePointer");
     cuda_check(cudaDeviceSynchronize(), "cudaDeviceSynchronize");
     // No peer may write into this buffer before it is zeroed. NVSHMEM's barrier, not ours: the zeroing
     // also clears our barrier words. The allocation above is collective in NVSHMEM already (no timeout);
@@ -128,7 +118,7 @@ NvshmemRuntime::NvshmemRuntime(int rank, int num_ranks, int64_t num_bytes, doubl
     ctx_.state = state_;
     ctx_.comm.rank = rank;
     ctx_.comm.num_ranks = num_ranks;
-    ctx_.comm.flags = static_cast<kernels::HostFlags*>(flags_dev);
+    ctx_.comm.flags = flags_.device();
     ctx_.comm.timeout_ns = static_cast<uint64_t>(timeout_s * 1e9);
     ctx_.num_blocks = kernels::ll::grid_blocks(device_);
     ctx_.mask = mask_;
@@ -143,7 +133,6 @@ NvshmemRuntime::~NvshmemRuntime() {
     cudaFree(state_);
     cudaFree(mask_);
     cudaFree(verdicts_);
-    cudaFreeHost(flags_);
 }
 
 void NvshmemRuntime::destroy() {
@@ -167,13 +156,13 @@ void NvshmemRuntime::destroy() {
     cudaFree(state_);
     cudaFree(mask_);
     cudaFree(verdicts_);
-    cudaFreeHost(flags_);
+    flags_.release();
     base_ = nullptr;
 }
 
 void NvshmemRuntime::check_usable() const {
     if (base_ == nullptr) throw std::runtime_error("low-latency mode: the buffer was destroyed");
-    const int code = reinterpret_cast<volatile kernels::HostFlags*>(flags_)->error;
+    const int code = flags_.host()->error;
     if (code != kernels::kOk)
         throw std::runtime_error("low-latency mode: a kernel gave up after " + std::to_string(timeout_s_) +
                                  " s waiting for a peer rank (it is not calling the same operation, or it died); "

@@ -6,6 +6,7 @@
 #include <cstdint>
 #include <string>
 
+#include "common/host_flags.hpp"
 #include "low_latency/api.cuh"
 
 namespace moe_ep {
@@ -72,7 +73,7 @@ class NvshmemRuntime {
     uint8_t* base_ = nullptr;
     uint8_t** peers_ = nullptr;  // device array [num_ranks]
     kernels::ll::State* state_ = nullptr;
-    kernels::HostFlags* flags_ = nullptr;
+    MappedHostFlags flags_;
     int* mask_ = nullptr;           // elastic mode: device memory [R]
     uint64_t* verdicts_ = nullptr;  // elastic mode: device memory [R]
     kernels::ll::Context ctx_{};

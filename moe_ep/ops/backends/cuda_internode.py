@@ -97,9 +97,6 @@ class CudaInternodeBackend(CommBackend):
         self.topology = internode.topology
         self._torch = torch_backend
         init_nvshmem(group, rank, num_ranks, self.device, device_api=True)
-        # NVSHMEM's symmetric allocation is collective with no timeout; a rank that never creates its
-        # Buffer must fail the others here, through the process group's timeout, instead.
-        dist.barrier(group=group, device_ids=[self.device.index])
         self._runtime = nvshmem_module().InternodeRuntime(rank, num_ranks, num_rdma_bytes, settings().timeout_s)
         self.path = InternodePath(torch_backend, self.topology, NvshmemLegs(self._runtime, self.topology, self.device))
 

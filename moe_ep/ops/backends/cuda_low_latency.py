@@ -111,10 +111,12 @@ def nvshmem_module():
 
 def init_nvshmem(group: dist.ProcessGroup, rank: int, num_ranks: int, device: torch.device,
                  device_api: bool = False) -> None:
-    """Join this process to the NVSHMEM job of `group` (once per process; collective the first time).
+    """Join this process to the NVSHMEM job of `group` (once per process), then meet every rank of `group`
+    in a barrier: callers allocate symmetric memory next, which is collective in NVSHMEM with no timeout,
+    so a rank that never comes fails the others here, through the process group's timeout, instead.
     `device_api`: the caller's kernels use NVSHMEM's device API (internode mode), so the P2P-only module,
     which initialises NVSHMEM's host library alone, cannot be the one that joins."""
-    global _nvshmem_members, _transport
+    global _nvshmem_members
     members = tuple(dist.get_process_group_ranks(group))
     if _nvshmem_members is not None:
         if members != _nvshmem_members:
@@ -123,7 +125,15 @@ def init_nvshmem(group: dist.ProcessGroup, rank: int, num_ranks: int, device: to
         if device_api and _transport == "p2p":
             raise RuntimeError("internode mode: NVSHMEM joined this process through moe_ep._low_latency_p2p (a "
                                "low-latency Buffer created first); set MOE_EP_LOW_LATENCY_TRANSPORT=nvshmem")
-        return
+    else:
+        _join(group, rank, num_ranks, device, device_api)
+        _nvshmem_members = members
+    dist.barrier(group=group, device_ids=[device.index])
+
+
+def _join(group: dist.ProcessGroup, rank: int, num_ranks: int, device: torch.device, device_api: bool) -> None:
+    """NVSHMEM's initialisation from rank 0's unique id, through the module of the chosen transport."""
+    global _transport
     # NVLink SHArP (multicast) stays off: it can take down GPUs shared with others. Without another
     # host in the group no remote transport is needed, which also skips probing for InfiniBand.
     # NVSHMEM takes both settings from the environment only, read by its init below: this is the one
@@ -137,7 +147,6 @@ def init_nvshmem(group: dist.ProcessGroup, rank: int, num_ranks: int, device: to
     runtime = _ext().NvshmemRuntime
     unique_id = runtime.create_unique_id() if rank == 0 else None
     runtime.init(broadcast_bytes(unique_id, runtime.unique_id_bytes(), group, device), rank, num_ranks)
-    _nvshmem_members = members
 
 
 class _ReceiveHook:
@@ -175,9 +184,6 @@ class LowLatencyRuntime:
         across_nodes = 0 < num_ranks_per_node < num_ranks
         # Puts need NVSHMEM's device library: the P2P-only module cannot serve ranks across nodes.
         init_nvshmem(group, rank, num_ranks, self.device, device_api=across_nodes)
-        # NVSHMEM's symmetric allocation is collective with no timeout; a rank that never creates its
-        # Buffer must fail the others here, through the process group's timeout, instead.
-        dist.barrier(group=group, device_ids=[self.device.index])
         self._runtime = _ext().NvshmemRuntime(rank, num_ranks, num_rdma_bytes, timeout_s,
                                               puts_only=_transport == "nvshmem_puts", shrink=shrink,
                                               ranks_per_node=num_ranks_per_node if across_nodes else 0)

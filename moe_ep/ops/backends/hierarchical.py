@@ -174,12 +174,16 @@ class InternodePath:
 
     # ------------------------------------------------------------------ the two legs
 
-    def _to_rails(self, rows: torch.Tensor, to_node: torch.Tensor, from_nodes: list[int], config: Config) -> torch.Tensor:
-        """Network leg: rows (node-major) to the rail rank of each node; returns the rows received."""
+    def _rail_leg(self, rows: torch.Tensor, send_counts: list[int], recv_counts: list[int],
+                  config: Config) -> torch.Tensor:
+        """Network leg (either way): rows to the rail rank of each node, counted; returns the rows received."""
         self.last_path = "hierarchical"
-        send_counts = to_node.sum(0).tolist()
         self._count_network(send_counts, rows.size(1))
-        return self.legs.rail(rows, send_counts, from_nodes, config)
+        return self.legs.rail(rows, send_counts, recv_counts, config)
+
+    def _to_rails(self, rows: torch.Tensor, to_node: torch.Tensor, from_nodes: list[int], config: Config) -> torch.Tensor:
+        """Dispatch's network leg: rows (node-major) to the rail rank of each node; returns the rows received."""
+        return self._rail_leg(rows, to_node.sum(0).tolist(), from_nodes, config)
 
     def _forward(self, rail_rows: torch.Tensor, forward: torch.Tensor, counts_to_me: list[int],
                  config: Config) -> torch.Tensor:
@@ -304,10 +308,8 @@ class InternodePath:
         # Network leg back: one partial row per (token, node); the source adds them in node order.
         to_node = hdl.send_rdma_head >= 0
         partial_codec = self._codec(partials)
-        rows = partial_codec.pack(partials)
-        self.last_path = "hierarchical"
-        self._count_network(from_nodes, rows.size(1))
-        node_partials = partial_codec.unpack(self.legs.rail(rows, from_nodes, to_node.sum(0).tolist(), request.config))
+        node_partials = partial_codec.unpack(self._rail_leg(partial_codec.pack(partials), from_nodes,
+                                                            to_node.sum(0).tolist(), request.config))
         dest_node, token = routing.send_order(to_node)
         combined = torch.zeros(to_node.size(0), x.size(1), dtype=acc_dtype, device=device)
         for bias in (bias_0, bias_1):
