@@ -15,7 +15,8 @@ the data's (layout, notify, ring preparation, padding, memsets). Per operation:
 Operations: get_dispatch_layout; dispatch BF16 and FP8, each uncached (the host waits for the counts),
 uncached with num_worst_tokens (it does not) and cached (the handle passed); combine BF16;
 low-latency dispatch (FP8) and combine, paced by the host (no hook). Printed as one table, saved
-as JSON under --out. Value checks are off (MOE_EP_CHECK_VALUES=0), as DeepEP has none.
+as JSON under --out. With --host-profile, rank 0 also runs each operation under cProfile and lists
+the functions (Python and the C++ bindings) that take its host time: where the microseconds go. Value checks are off (MOE_EP_CHECK_VALUES=0), as DeepEP has none.
 
     python benchmarks/bench_overhead.py --out overhead.json [--worlds 2,4] [--tokens 4096 --hidden 7168 ...]
     python benchmarks/bench_overhead.py --backend torch --tiny --worlds 2 --out /tmp/overhead.json   # CPU
@@ -24,9 +25,11 @@ as JSON under --out. Value checks are off (MOE_EP_CHECK_VALUES=0), as DeepEP has
 from __future__ import annotations
 
 import argparse
+import cProfile
 import datetime
 import json
 import os
+import pstats
 import statistics
 import tempfile
 import time
@@ -174,13 +177,33 @@ class Timer:
                 trace = json.load(f)
         return call_trace.summarize(call_trace.calls_in_trace(trace, _MARK)[1:])  # the first starts the profiler
 
-    def measure(self, fn: Callable[[], object], before: Optional[Callable[[], None]]) -> dict[str, Any]:
+    def _host_profile(self, fn: Callable[[], object], before: Optional[Callable[[], None]]) -> list[dict[str, Any]]:
+        """The functions with the most own host time per call (cProfile over `iters` calls; its own
+        overhead inflates Python-heavy entries, so read them relative to each other)."""
+        profiler = cProfile.Profile()
+        for _ in range(self.args.iters):
+            self._ready(before)
+            profiler.enable()
+            fn()
+            profiler.disable()
+        rows = []
+        for (path, line, name), (_, calls, own, total, _) in pstats.Stats(profiler).stats.items():  # type: ignore
+            where = name if path == "~" else f"{os.path.basename(path)}:{line}({name})"
+            rows.append({"function": where, "calls_per_call": calls / self.args.iters,
+                         "own_us": own / self.args.iters * 1e6, "total_us": total / self.args.iters * 1e6})
+        return sorted(rows, key=lambda r: -r["own_us"])[:self.args.host_profile_top]
+
+    def measure(self, fn: Callable[[], object], before: Optional[Callable[[], None]],
+                host_profile: bool = False) -> dict[str, Any]:
         for _ in range(self.args.warmup):
             self._ready(before)
             fn()
         host = self._wall_us(fn, before, sync=False)
         synced = self._wall_us(fn, before, sync=True)
-        return {"host_us": _stats(host), "sync_us": _stats(synced), "trace": self._trace(fn, before)}
+        result = {"host_us": _stats(host), "sync_us": _stats(synced), "trace": self._trace(fn, before)}
+        if host_profile:
+            result["host_profile"] = self._host_profile(fn, before)
+        return result
 
 
 def _stats(times: list[float]) -> dict[str, float]:
@@ -200,7 +223,7 @@ def _measure_world(rank: int, world: int, port: int, args: argparse.Namespace) -
     timer = Timer(args, cuda)
     mine = {}
     for name, fn, before in work.ops():
-        mine[name] = timer.measure(fn, before)
+        mine[name] = timer.measure(fn, before, host_profile=args.host_profile)  # on every rank: calls in step
     every: list[Optional[dict]] = [None] * world
     dist.all_gather_object(every, {name: r["host_us"]["median"] for name, r in mine.items()} |
                            {f"{name} sync": r["sync_us"]["median"] for name, r in mine.items()})
@@ -262,6 +285,13 @@ def table(report: dict[str, Any]) -> str:
             kernels = " | ".join(_kernel_cell(k) for k in trace["kernels"]) or "-"
             lines.append(f"{rep['world']:5d}  {name:20s} {op['host_us']:8.1f} {op['sync_us']:10.1f} "
                          f"{_fmt(trace['gpu_busy_us']):>8} {_fmt(trace['gpu_end_us']):>8}  {kernels}")
+    profiled = [(rep["world"], name, op["rank0"]["host_profile"]) for rep in report["reports"]
+                for name, op in rep["ops"].items() if "host_profile" in op["rank0"]]
+    if profiled:
+        lines.append("host profile (rank 0, cProfile): function own/total us per call")
+    for world, name, rows in profiled:
+        cells = " | ".join(f"{r['function']} {r['own_us']:.0f}/{r['total_us']:.0f}" for r in rows)
+        lines.append(f"{world:5d}  {name:20s} {cells}")
     return "\n".join(lines)
 
 
@@ -282,6 +312,9 @@ def main() -> None:
     parser.add_argument("--warmup", type=int, default=3)
     parser.add_argument("--iters", type=int, default=15)
     parser.add_argument("--profile-iters", type=int, default=5)
+    parser.add_argument("--host-profile", action="store_true",
+                        help="rank 0 also profiles each operation's host time by function (cProfile)")
+    parser.add_argument("--host-profile-top", type=int, default=8, help="functions listed per operation")
     parser.add_argument("--timeout", type=float, default=150, help="seconds per world")
     parser.add_argument("--tiny", action="store_true", help="tiny shapes and few iterations (a smoke run)")
     args = parser.parse_args()
