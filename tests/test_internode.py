@@ -3,8 +3,10 @@ path against the flat path (bit for bit) and an independent reference of the int
 
 from __future__ import annotations
 
+import contextlib
 import os
 from dataclasses import asdict, dataclass, replace
+from typing import Iterator
 
 import pytest
 import torch
@@ -13,9 +15,10 @@ import torch.distributed as dist
 import moe_ep
 from moe_ep import ops
 from moe_ep.layers import MoEConfig, MoELayer
-from moe_ep.ops import fp8
+from moe_ep.ops import fp8, routing
 from moe_ep.ops.settings import reload as reload_settings
 from reference import RankInputs, dispatch_reference, expert_output, make_inputs, owner, tokens_for
+from test_agreement import _counting
 
 # Buffers of this module's workers, one per (group ranks, ranks per node): each creates sub-groups once.
 _BUFFERS: dict[tuple, moe_ep.Buffer] = {}
@@ -171,24 +174,35 @@ def combine_two_level_reference(inputs: list[RankInputs], me: int, num_experts: 
 
 def _run_path(buffer: moe_ep.Buffer, hierarchical: bool, mine: RankInputs, x: object, num_experts: int,
               c: Case, num_worst: int, config: moe_ep.Config, expert_in: object, bias: list[torch.Tensor]) -> dict:
-    """Layout, dispatch, combine (with and without weights and bias) and cached dispatch on one path."""
+    """Layout, dispatch, combine (with and without weights and bias) and cached dispatch on one path, and the
+    store exchanges (`Agreement.exchange`) each of the last four made."""
     internode = buffer._torch.internode
     internode.hierarchical = hierarchical
     per_rank, per_node, per_expert, in_rank, _ = buffer.get_dispatch_layout(mine.topk_idx, num_experts)
-    recv_x, recv_idx, recv_w, counts, handle, _ = buffer.dispatch(
-        x, num_tokens_per_rank=per_rank, num_tokens_per_rdma_rank=per_node, is_token_in_rank=in_rank,
-        num_tokens_per_expert=per_expert, topk_idx=mine.topk_idx, topk_weights=mine.topk_weights,
-        expert_alignment=c.alignment, num_worst_tokens=num_worst, config=config)
+    exchanges = []
+    with _counting() as calls:
+        recv_x, recv_idx, recv_w, counts, handle, _ = buffer.dispatch(
+            x, num_tokens_per_rank=per_rank, num_tokens_per_rdma_rank=per_node, is_token_in_rank=in_rank,
+            num_tokens_per_expert=per_expert, topk_idx=mine.topk_idx, topk_weights=mine.topk_weights,
+            expert_alignment=c.alignment, num_worst_tokens=num_worst, config=config)
+    exchanges.append(calls["exchange"])
     paths, network_rows = [internode.last_path], internode.last_network_rows
     y = expert_output(expert_in(recv_x), buffer.rank)
-    combined, combined_w, _ = buffer.combine(y, handle, topk_weights=recv_w, bias=tuple(bias), config=config)
+    with _counting() as calls:
+        combined, combined_w, _ = buffer.combine(y, handle, topk_weights=recv_w, bias=tuple(bias), config=config)
+    exchanges.append(calls["exchange"])
     paths.append(internode.last_path)
-    plain, no_weights, _ = buffer.combine(y, handle, config=config)
-    cached = buffer.dispatch(x, handle=handle, config=config)[0]
+    with _counting() as calls:
+        plain, no_weights, _ = buffer.combine(y, handle, config=config)
+    exchanges.append(calls["exchange"])
+    with _counting() as calls:
+        cached = buffer.dispatch(x, handle=handle, config=config)[0]
+    exchanges.append(calls["exchange"])
     paths.append(internode.last_path)
     return {"per_node": per_node, "recv_x": recv_x, "recv_idx": recv_idx, "recv_w": recv_w, "counts": counts,
             "handle": handle, "combined": combined, "combined_w": combined_w, "plain": plain,
-            "no_weights": no_weights, "cached": cached, "paths": paths, "network_rows": network_rows}
+            "no_weights": no_weights, "cached": cached, "paths": paths, "network_rows": network_rows,
+            "exchanges": exchanges}
 
 
 def _equal(a: object, b: object) -> bool:
@@ -203,7 +217,9 @@ def _equal(a: object, b: object) -> bool:
     return a == b
 
 
-def _round_trip(rank: int, world: int, ranks_per_node: int, case: dict) -> int:
+def _round_trip(rank: int, world: int, ranks_per_node: int, case: dict, store_exchanges: int = 1) -> int:
+    """Both paths against each other and the reference; each hierarchical call makes `store_exchanges`
+    store exchanges (the flat path one)."""
     c = Case(**case)
     num_experts = c.experts_per_rank * world
     inputs = _inputs(c, world, ranks_per_node)
@@ -226,6 +242,7 @@ def _round_trip(rank: int, world: int, ranks_per_node: int, case: dict) -> int:
     flat = _run_path(buffer, False, mine, x, num_experts, c, num_worst, config, expert_in, bias)
     hier = _run_path(buffer, True, mine, x, num_experts, c, num_worst, config, expert_in, bias)
     assert flat["paths"] == ["flat"] * 3 and hier["paths"] == ["hierarchical"] * 3
+    assert flat["exchanges"] == [1] * 4 and hier["exchanges"] == [store_exchanges] * 4, (flat, hier)
 
     # The two paths agree bit for bit; the handles share their first six fields.
     for key in ("per_node", "recv_x", "recv_idx", "recv_w", "counts", "combined", "combined_w", "plain",
@@ -303,7 +320,8 @@ def test_rows_padded_for_the_cuda_legs_give_the_same_results(dist_pool, case: Ca
 class _ExchangeOverGloo:
     """Stands in for `moe_ep._low_latency.internode_exchange` on the CPU: checks the team and counts the
     CUDA legs pass, then moves the same rows with one `all_to_all_single` over the whole group (nothing
-    to ranks outside the team)."""
+    to ranks outside the team). As in the kernel, a receiver whose rows are of another size than its
+    sender's does not find the sender's rows where it reads: it gets zeros here."""
 
     def internode_exchange(self, runtime: object, send: torch.Tensor, recv: torch.Tensor, pes: list[int], me: int,
                            send_counts: list[int], recv_counts: list[int], channels: int, chunk_rows: int,
@@ -312,30 +330,48 @@ class _ExchangeOverGloo:
         assert pes == sorted(set(pes)) and pes[me] == rank, (pes, me, rank)
         assert send.size(1) % 16 == 0 and send.size(0) == sum(send_counts) and recv.size(0) == sum(recv_counts)
         assert channels >= 1 and 1 <= chunk_rows <= ring_rows
-        full_send, full_recv = [0] * world, [0] * world
-        for pe, sent, received in zip(pes, send_counts, recv_counts):
-            full_send[pe], full_recv[pe] = sent, received
-        dist.all_to_all_single(recv, send, full_recv, full_send)
+        widths = [torch.zeros(1, dtype=torch.int64) for _ in range(world)]
+        dist.all_gather(widths, torch.tensor([send.size(1)]))
+        width = send.size(1)
+        full_send, full_recv, parts = [0] * world, [0] * world, []
+        for pe, rows, received in zip(pes, send.split(send_counts), recv_counts):
+            theirs = int(widths[pe])
+            parts.append(rows.reshape(-1) if theirs == width else torch.zeros(rows.size(0) * theirs, dtype=torch.uint8))
+            full_send[pe], full_recv[pe] = parts[-1].numel(), received * width
+        dist.all_to_all_single(recv.view(-1), torch.cat(parts), full_recv, full_send)
 
 
-class _FitsAlways:
+class _RuntimeStandIn:
+    """An `InternodeRuntime` whose rings always fit and whose exchanges never time out."""
+
     def check_fits(self, *sizes: int) -> None:
         pass
 
+    def check_usable(self) -> None:
+        pass
 
-def _cuda_legs_round_trip(rank: int, world: int, ranks_per_node: int, case: dict) -> int:
-    """`_round_trip` through the CUDA backend's `NvshmemLegs` (teams, members, counts, padding), with the
-    kernel replaced by `_ExchangeOverGloo`."""
+
+@contextlib.contextmanager
+def _cuda_legs(ranks_per_node: int) -> Iterator[moe_ep.Buffer]:
+    """The torch Buffer with its internode path over the CUDA backend's `NvshmemLegs` (teams, members,
+    counts, padding, the count exchange), the kernel replaced by `_ExchangeOverGloo`."""
     from moe_ep.ops.backends import cuda_internode
 
-    internode = _buffer(ranks_per_node)._torch.internode
+    buffer = _buffer(ranks_per_node)
+    internode = buffer._torch.internode
     saved_legs, saved_module = internode.legs, cuda_internode.nvshmem_module
-    internode.legs = cuda_internode.NvshmemLegs(_FitsAlways(), internode.topology, torch.device("cpu"))
+    internode.legs = cuda_internode.NvshmemLegs(_RuntimeStandIn(), internode.topology, torch.device("cpu"))
     cuda_internode.nvshmem_module = _ExchangeOverGloo
     try:
-        return _round_trip(rank, world, ranks_per_node, case)
+        yield buffer
     finally:
         internode.legs, cuda_internode.nvshmem_module = saved_legs, saved_module
+
+
+def _cuda_legs_round_trip(rank: int, world: int, ranks_per_node: int, case: dict) -> int:
+    """`_round_trip` through `_cuda_legs`: the same results, and no hierarchical call uses the store."""
+    with _cuda_legs(ranks_per_node):
+        return _round_trip(rank, world, ranks_per_node, case, store_exchanges=0)
 
 
 @pytest.mark.parametrize("shape,case", [((2, 3), RANDOM), ((4, 1), EVERY_NODE), ((2, 2), FP8), ((3, 2), WORST)],
@@ -343,6 +379,71 @@ def _cuda_legs_round_trip(rank: int, world: int, ranks_per_node: int, case: dict
 def test_cuda_legs_pass_the_teams_and_counts_the_path_needs(dist_pool, shape: tuple[int, int], case: Case) -> None:
     nodes, size = shape
     assert sum(dist_pool(nodes * size).run(_cuda_legs_round_trip, size, asdict(case))) > 0
+
+
+def disagreeing_dispatches(buffer: moe_ep.Buffer, rank: int, world: int, device: torch.device) -> dict:
+    """Three dispatches over `buffer` (2x2 nodes): ranks 2-3 pass another hidden size, then rank 1 another
+    number of experts (count rows of another size), then every rank the same settings. What each raised
+    (or whether its rows are the reference's), and the store exchanges all three made."""
+    c = replace(RANDOM, tokens=(15, 9, 22, 4))
+    num_experts = c.experts_per_rank * world
+    inputs = _inputs(c, world, 2)
+    mine = inputs[rank]
+    x, topk_idx = mine.x.to(device), mine.topk_idx.to(device)
+    attempts = {"hidden": (torch.cat([x, x], 1) if rank >= 2 else x, num_experts),
+                "num_experts": (x, 2 * num_experts if rank == 1 else num_experts),
+                "agreeing": (x, num_experts)}
+    out: dict[str, object] = {}
+    with _counting() as calls:
+        for name, (tokens, experts) in attempts.items():
+            layout = routing.dispatch_layout(topk_idx, experts, world, 2)
+            try:
+                recv_x = buffer.dispatch(tokens, num_tokens_per_rank=layout.num_tokens_per_rank,
+                                         num_tokens_per_rdma_rank=layout.num_tokens_per_rdma_rank,
+                                         is_token_in_rank=layout.is_token_in_rank,
+                                         num_tokens_per_expert=layout.num_tokens_per_expert, topk_idx=topk_idx)[0]
+                out[name] = torch.equal(recv_x.cpu(), dispatch_reference(inputs, rank, num_experts, 1, 1).recv_x)
+            except Exception as exc:  # the test inspects what each rank raised
+                out[name] = (type(exc).__name__, str(exc))
+    out["exchanges"] = calls["exchange"]
+    return out
+
+
+def check_disagreeing_dispatches(outcomes: list[dict]) -> None:
+    """Every rank raised `PeerInputError` for both disagreements, before any store exchange or data, and the
+    Buffer still serves the dispatch that agrees."""
+    for rank, out in enumerate(outcomes):
+        assert out["hidden"] == ("PeerInputError", "dispatch: ranks disagree on hidden (x.shape[1]): "
+                                                   "[256, 256, 512, 512] (rank order)"), (rank, out)
+        kind, message = out["num_experts"]
+        assert kind == "PeerInputError" and message.startswith("count exchange: the rows of rank(s) "), (rank, out)
+        assert out["agreeing"] is True and out["exchanges"] == 0, (rank, out)
+
+
+def _disagreeing_over_cuda_legs(rank: int, world: int) -> dict:
+    with _cuda_legs(2) as buffer:
+        return disagreeing_dispatches(buffer, rank, world, torch.device("cpu"))
+
+
+def test_ranks_that_disagree_raise_on_every_rank_through_the_cuda_legs(dist_pool) -> None:
+    outcomes = dist_pool(4).run(_disagreeing_over_cuda_legs)
+    check_disagreeing_dispatches(outcomes)
+    # Rank 1 reads none of its peers' rows; the others miss its row, and rank 0 also rank 3's, which
+    # reaches node 0 through rank 1.
+    for rank, garbled in enumerate(([1, 3], [0, 2, 3], [1], [1])):
+        assert outcomes[rank]["num_experts"][1].startswith(f"count exchange: the rows of rank(s) {garbled} "), rank
+
+
+def test_the_cuda_internode_backend_raises_a_rejected_input_alone() -> None:
+    """Its `agree` exchanges nothing (its peers' kernels time out): the rank's own error, or nothing."""
+    from moe_ep.ops.backends.cuda_internode import CudaInternodeBackend
+
+    backend = object.__new__(CudaInternodeBackend)  # no NVSHMEM here, and `agree` needs none of its state
+    with _counting() as calls:
+        backend.agree("dispatch", {"hidden": 128}, None, torch.device("cpu"))
+        with pytest.raises(ValueError, match="^x: expected 2 dimensions$"):
+            backend.agree("dispatch", {}, ValueError("x: expected 2 dimensions"), torch.device("cpu"))
+    assert calls["exchange"] == 0
 
 
 def _formula_matters(rank: int, world: int) -> bool:

@@ -5,15 +5,18 @@ enough GPUs, else every rank an NVSHMEM PE sharing the GPUs over gloo (NVSHMEM c
 both legs over P2P; correctness only, never speed). Every rank runs the same inputs through a CUDA
 Buffer and a torch Buffer (on the CPU when the pool is gloo) and compares bit for bit: the layout, every
 dispatch output and handle field, the cached dispatch, combine with and without weights and biases, the
-network rows counted, and gradients through autograd. Small rings (chunks of 4 rows, rings of 16) make
-every stream wrap. One more test leaves a rank out of an exchange: its rail peer's kernel gives up
-within the timeout and the next call raises, while ranks that never wait on it finish.
+network rows counted, and gradients through autograd; none of the CUDA calls goes through the store
+(the counts travel in the notify's two NVSHMEM exchanges). Small rings (chunks of 4 rows, rings of 16)
+make every stream wrap. More tests leave a rank out of an exchange (its rail peer's kernel gives up
+within the timeout and the next call raises, while ranks that never wait on it finish) and out of a
+dispatch (every other rank's notify gives up and the dispatch raises), and make the ranks disagree on a
+setting (`PeerInputError` on every rank, the Buffer still usable).
 """
 
 from __future__ import annotations
 
 import os
-from dataclasses import asdict
+from dataclasses import asdict, replace
 from typing import Optional
 
 import pytest
@@ -27,8 +30,9 @@ from moe_ep.ops.backends.cuda_low_latency import low_latency_available
 from moe_ep.ops.settings import reload as reload_settings
 from dist_pool import gpu_worlds
 from reference import assert_same_bits, expert_output, make_inputs, to_cpu, tokens_for
+from test_agreement import _counting
 from test_internode import BIG_BF16, BIG_FP8, EMPTY_RANK, EVERY_NODE, FP8, NODE_SILENT, RANDOM, SKEWED, WORST, Case
-from test_internode import _inputs
+from test_internode import _inputs, check_disagreeing_dispatches, disagreeing_dispatches
 
 needs_gpu = pytest.mark.skipif(not torch.cuda.is_available() or not low_latency_available(),
                                reason="needs CUDA GPUs and the moe_ep._low_latency extension (built with NVSHMEM)")
@@ -108,8 +112,10 @@ def _compare(rank: int, world: int, ranks_per_node: int, cases: list[dict]) -> d
             config = moe_ep.Config(c.num_sms, 6, 256, **CONFIG)
             expected = _round_trip(_buffer(ranks_per_node, "torch"), c, inputs, rank, _reference_device(), num_worst,
                                    config)
-            got = _round_trip(_buffer(ranks_per_node, "cuda"), c, inputs, rank, torch.device("cuda"), num_worst,
-                              config)
+            cuda_buffer = _buffer(ranks_per_node, "cuda")
+            with _counting() as calls:
+                got = _round_trip(cuda_buffer, c, inputs, rank, torch.device("cuda"), num_worst, config)
+            assert calls["exchange"] == 0, "a CUDA call went through the store"
             assert got["network_rows"] > 0 or expected["network_rows"] == 0
             for key in expected:
                 assert_same_bits(got[key], expected[key], key)
@@ -185,21 +191,26 @@ def test_moe_layer_over_cuda_internode(gpu_pool, world: int) -> None:
             torch.testing.assert_close(a.float(), b.float(), rtol=1e-2, atol=1e-3)
 
 
-def _absent_rank(rank: int, world: int) -> Optional[str]:
-    """2x2 virtual nodes: ranks 0-2 run a rail exchange, rank 3 does not. Rank 1 (rank 3's rail peer)
-    gives up after the timeout; ranks 0 and 2 (the other rail) finish."""
+def _buffer_giving_up_after(seconds: int) -> moe_ep.Buffer:
+    """A 2x2 CUDA Buffer whose kernels give up after `seconds` (the timeout is read at creation)."""
     saved = os.environ.get("MOE_EP_TIMEOUT_S")
-    os.environ["MOE_EP_TIMEOUT_S"] = "2"
+    os.environ["MOE_EP_TIMEOUT_S"] = str(seconds)
     reload_settings()
     try:
-        buffer = moe_ep.Buffer(dist.group.WORLD, num_rdma_bytes=RDMA_BYTES, backend="cuda", num_ranks_per_node=2,
-                               explicitly_destroy=True)
+        return moe_ep.Buffer(dist.group.WORLD, num_rdma_bytes=RDMA_BYTES, backend="cuda", num_ranks_per_node=2,
+                             explicitly_destroy=True)
     finally:
         if saved is None:
             os.environ.pop("MOE_EP_TIMEOUT_S")
         else:
             os.environ["MOE_EP_TIMEOUT_S"] = saved
         reload_settings()
+
+
+def _absent_rank(rank: int, world: int) -> Optional[str]:
+    """2x2 virtual nodes: ranks 0-2 run a rail exchange, rank 3 does not. Rank 1 (rank 3's rail peer)
+    gives up after the timeout; ranks 0 and 2 (the other rail) finish."""
+    buffer = _buffer_giving_up_after(2)
     if rank == 3:
         return None
     rows = torch.arange(6 * 32, dtype=torch.uint8, device="cuda").view(6, 32)
@@ -219,6 +230,46 @@ def test_rank_missing_from_an_exchange_times_out(gpu_pool, world: int) -> None:
     outcomes = gpu_pool(world).run(_absent_rank, timeout=120)
     assert outcomes[0] is None and outcomes[2] is None and outcomes[3] is None, outcomes
     assert outcomes[1] is not None and "gave up" in outcomes[1], outcomes
+
+
+def _absent_from_dispatch(rank: int, world: int) -> Optional[str]:
+    """2x2 virtual nodes: ranks 0-2 dispatch, rank 3 does not. The notify's rail exchange gives up on rank 1
+    (rank 3's rail peer), its node exchange on rank 2 (rank 3's node) and on rank 0 (waiting for rank 1):
+    each of them raises from the dispatch itself, which waits for the counts."""
+    buffer = _buffer_giving_up_after(2)
+    if rank == 3:
+        return None
+    c = replace(RANDOM, tokens=(15, 9, 22, 4))
+    mine = _inputs(c, world, 2)[rank]
+    topk_idx = mine.topk_idx.cuda()
+    layout = buffer.get_dispatch_layout(topk_idx, c.experts_per_rank * world)
+    try:
+        buffer.dispatch(mine.x.cuda(), num_tokens_per_rank=layout[0], num_tokens_per_rdma_rank=layout[1],
+                        is_token_in_rank=layout[3], num_tokens_per_expert=layout[2], topk_idx=topk_idx)
+    except RuntimeError as exc:
+        return str(exc)
+    return "no error"
+
+
+@needs_gpu
+@pytest.mark.parametrize("world", gpu_worlds(4))
+def test_rank_missing_from_a_dispatch_makes_the_notify_give_up(gpu_pool, world: int) -> None:
+    outcomes = gpu_pool(world).run(_absent_from_dispatch, timeout=120)
+    assert outcomes[3] is None, outcomes
+    for rank in range(3):
+        assert outcomes[rank].startswith("internode mode: an exchange gave up"), (rank, outcomes)
+
+
+def _disagreeing(rank: int, world: int) -> dict:
+    """`disagreeing_dispatches` over a CUDA Buffer of its own (2x2 virtual nodes)."""
+    buffer = moe_ep.Buffer(dist.group.WORLD, num_rdma_bytes=RDMA_BYTES, backend="cuda", num_ranks_per_node=2)
+    return disagreeing_dispatches(buffer, rank, world, torch.device("cuda"))
+
+
+@needs_gpu
+@pytest.mark.parametrize("world", gpu_worlds(4))
+def test_ranks_that_disagree_raise_on_every_rank(gpu_pool, world: int) -> None:
+    check_disagreeing_dispatches(gpu_pool(world).run(_disagreeing, timeout=120))
 
 
 @needs_gpu

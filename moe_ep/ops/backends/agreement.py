@@ -19,11 +19,12 @@ from __future__ import annotations
 
 import datetime
 import json
-from typing import Any, Optional
+from typing import Any, Iterable, Optional, Sequence
 
 import torch.distributed as dist
 
 from ..settings import settings
+from ..validation import PeerInputError
 
 _KEY_PREFIX = "moe_ep/agree"
 # Operations numbered so far, per group name, in this process (shared by every backend on the group).
@@ -33,6 +34,15 @@ _sequence: dict[str, int] = {}
 class PeerTimeoutError(RuntimeError):
     """Raised when a peer did not take part in an operation within `MOE_EP_TIMEOUT_S` seconds (it
     exited, stalled or called another operation), or the process group failed under it."""
+
+
+def check_same_settings(op: str, names: Iterable[str], per_rank: Sequence[Sequence[int]]) -> None:
+    """Raise `PeerInputError` naming the first setting whose value differs between ranks; `per_rank[r]`
+    holds rank r's values of `names`, in order (every rank reaches the same verdict from the same table)."""
+    for column, name in enumerate(names):
+        values = [row[column] for row in per_rank]
+        if len(set(values)) > 1:
+            raise PeerInputError(f"{op}: ranks disagree on {name}: {values} (rank order)")
 
 
 def group_store(group: dist.ProcessGroup) -> dist.Store:

@@ -4,11 +4,13 @@ A token crosses the network once per destination node, to the rank with its own 
 (its "rail"), which forwards it to the ranks of that node that need it; combine reverses the two legs
 and reduces inside the expert-side node first, so one partial row per (token, node) crosses the
 network. The legs move packed byte rows between the members of a team: the rail (the ranks with this
-rank's local index, one per node) and the node (its ranks). `TorchLegs` runs them as `all_to_all_single`
-over sub-groups created once per Buffer; the CUDA backend's `NvshmemLegs` (cuda_internode.py) as NVSHMEM
-kernels. Everything else (the count exchange, packing, ordering and the reductions) is this module's, so
-both backends give the same bits. Outputs are exactly those of the flat path (docs/semantics.md,
-"Internode"), which the same module makes use the two-level combine reduction across nodes.
+rank's local index, one per node) and the node (its ranks), and gather every rank's count row (the
+notify). `TorchLegs` runs them as `all_to_all_single` over sub-groups created once per Buffer and gathers
+the counts with the torch backend's store agreement; the CUDA backend's `NvshmemLegs` (cuda_internode.py)
+runs all three as NVSHMEM kernels. Everything else (what the counts are, packing, ordering and the
+reductions) is this module's, so both backends give the same bits. Outputs are exactly those of the
+flat path (docs/semantics.md, "Internode"), which the same module makes use the two-level combine
+reduction across nodes.
 """
 
 from __future__ import annotations
@@ -23,6 +25,7 @@ from ..config import Config
 from ..handles import InternodeDispatchHandle
 from ..requests import CombineRequest, DispatchRequest
 from ..topology import NodeTopology, node_mask
+from .agreement import check_same_settings
 from .base import DispatchResult
 from .torch_backend import (TorchBackend, _handle_counts, _pad_rows, _RowCodec, _sum_in_rank_order, dispatch_payload,
                             rank_handle, recv_tokens_per_expert, unpack_dispatched)
@@ -77,18 +80,32 @@ def _exchange(rows: torch.Tensor, send_counts: list[int], recv_counts: list[int]
 
 
 class Legs(Protocol):
-    """How the two legs move rows (`[N, row_bytes]` uint8, grouped by destination member in team order).
+    """How the two legs move rows (`[N, row_bytes]` uint8, grouped by destination member in team order),
+    and how the ranks exchange their counts and agree on an operation.
 
     `rail` exchanges with the rail's members (node order), `node` with the node's (local-rank order);
     each returns the rows received, grouped by source member. Every rank makes the same calls with the
-    same `config` (the CUDA legs size their rings by it). Rows are padded to `row_alignment` bytes."""
+    same `config` (the CUDA legs size their rings by it). Rows are padded to `row_alignment` bytes.
+
+    `gather_rows` is a fresh dispatch's count exchange, `agree_started` what a cached dispatch or a
+    combine (no counts) exchanges instead. `checks_settings` says whether these two compare the started
+    operation's settings themselves (the torch store agreement does); if not, the path appends them to
+    the gathered row and compares them there, so a cached dispatch or a combine compares none."""
 
     row_alignment: int
+    checks_settings: bool
 
     def rail(self, rows: torch.Tensor, send_counts: list[int], recv_counts: list[int], config: Config) -> torch.Tensor:
         ...
 
     def node(self, rows: torch.Tensor, send_counts: list[int], recv_counts: list[int], config: Config) -> torch.Tensor:
+        ...
+
+    def gather_rows(self, row: torch.Tensor) -> torch.Tensor:
+        """Every rank's int64 `row [n]` as `[R, n]` in rank order, on `row`'s device."""
+        ...
+
+    def agree_started(self) -> None:
         ...
 
     def destroy(self) -> None:
@@ -96,10 +113,14 @@ class Legs(Protocol):
 
 
 class TorchLegs:
-    """Both legs as `all_to_all_single` over the rail and node sub-groups (any torch.distributed backend)."""
+    """Both legs as `all_to_all_single` over the rail and node sub-groups (any torch.distributed backend);
+    the counts and the agreement go through `backend`'s store agreement (`TorchBackend._agree`)."""
 
-    def __init__(self, group: dist.ProcessGroup, topology: NodeTopology, row_alignment: int = 1) -> None:
-        self.groups = create_node_groups(group, topology)
+    checks_settings = True
+
+    def __init__(self, backend: TorchBackend, topology: NodeTopology, row_alignment: int = 1) -> None:
+        self.backend = backend
+        self.groups = create_node_groups(backend.group, topology)
         self.row_alignment = row_alignment
 
     def rail(self, rows: torch.Tensor, send_counts: list[int], recv_counts: list[int], config: Config) -> torch.Tensor:
@@ -107,6 +128,12 @@ class TorchLegs:
 
     def node(self, rows: torch.Tensor, send_counts: list[int], recv_counts: list[int], config: Config) -> torch.Tensor:
         return _exchange(rows, send_counts, recv_counts, self.groups.node)
+
+    def gather_rows(self, row: torch.Tensor) -> torch.Tensor:
+        return self.backend._all_gather_rows(row)
+
+    def agree_started(self) -> None:
+        self.backend.agree_started()
 
     def destroy(self) -> None:
         for group in self.groups.created:
@@ -133,9 +160,9 @@ def _arrival_order(counts_to_me: list[int], topology: NodeTopology,
 
 
 class InternodePath:
-    """Normal mode across nodes over `legs` (default `TorchLegs`); the Buffer attaches the torch backend's
-    as `TorchBackend.internode`, the CUDA backend runs one over `NvshmemLegs`. `backend` (a torch backend
-    over the Buffer's group) exchanges the counts and checks `num_worst_tokens`.
+    """Normal mode across nodes over `legs` (default `TorchLegs` over `backend`, a torch backend over the
+    Buffer's group); the Buffer attaches the torch backend's as `TorchBackend.internode`, the CUDA backend
+    runs one over `NvshmemLegs`. The legs exchange the counts; `backend` checks `num_worst_tokens`.
 
     `hierarchical` (default True) selects the two-leg path for fresh dispatches; False keeps the flat
     all-to-all (the tests' and benchmarks' baseline: same outputs). A cached dispatch or a combine
@@ -149,7 +176,7 @@ class InternodePath:
             raise ValueError(f"topology: the internode path needs more than one node, got {topology}")
         self.backend = backend
         self.topology = topology
-        self.legs: Legs = legs if legs is not None else TorchLegs(backend.group, topology)
+        self.legs: Legs = legs if legs is not None else TorchLegs(backend, topology)
         self.hierarchical = True
         self.last_path: Optional[str] = None
         self.last_network_rows = 0
@@ -214,24 +241,30 @@ class InternodePath:
         channel_prefix = routing.channel_prefix_matrix(is_token_in_rank, num_channels)
         rdma_channel_prefix = routing.channel_prefix_matrix(to_node, num_channels)
 
-        # Notify: every rank learns all send counts, expert counts and channel prefixes, per rank and per node.
+        # Notify: every rank learns all send counts, expert counts and channel prefixes, per rank and per
+        # node, and the receive bounds. The operation's settings ride along where the legs do not compare
+        # them themselves, so that ranks that disagree raise on every rank before any data moves.
+        agreed = {} if self.legs.checks_settings else request.agreed()
         header = torch.cat([
             num_tokens_per_rank.to(device=device, dtype=torch.int64),
             num_tokens_per_expert.to(device=device, dtype=torch.int64),
             channel_prefix.to(device=device, dtype=torch.int64).reshape(-1),
             rdma_channel_prefix.to(device=device, dtype=torch.int64).reshape(-1),
-            torch.tensor([num_worst_tokens], dtype=torch.int64, device=device),
+            torch.tensor([num_worst_tokens, *agreed.values()], dtype=torch.int64, device=device),
         ])
-        table = self.backend._all_gather_rows(header)
+        table = self.legs.gather_rows(header)
         rank_columns = num_ranks + num_experts
+        rdma_columns = rank_columns + num_ranks * num_channels
+        worst_column = rdma_columns + num_nodes * num_channels
+        if agreed:
+            check_same_settings("dispatch", agreed, table[:, worst_column + 1:].tolist())
         send_matrix = table[:, :num_ranks]
         expert_counts = table[:, num_ranks:rank_columns]
-        sender_channel_prefix = table[:, rank_columns:rank_columns + num_ranks * num_channels].view(
-            num_ranks, num_ranks, num_channels)[:, me]
+        sender_channel_prefix = table[:, rank_columns:rdma_columns].view(num_ranks, num_ranks, num_channels)[:, me]
         rail_sources = topo.rail_ranks(topo.local_rank)
-        sender_rdma_prefix = table[rail_sources, rank_columns + num_ranks * num_channels:-1].view(
+        sender_rdma_prefix = table[rail_sources, rdma_columns:worst_column].view(
             num_nodes, num_nodes, num_channels)[:, topo.node]  # [source node, C]
-        self.backend._check_worst_tokens(send_matrix.sum(0).tolist(), table[:, -1].tolist())
+        self.backend._check_worst_tokens(send_matrix.sum(0).tolist(), table[:, worst_column].tolist())
         recv_rdma_rank_prefix_sum = sender_rdma_prefix[:, -1].cumsum(0).to(torch.int32)
 
         # Network leg: each token once per destination node, with the node's slice of its rank mask.
@@ -261,7 +294,7 @@ class InternodePath:
                               recv_tokens_per_expert(expert_counts, request, me, num_local), handle)
 
     def cached_dispatch(self, request: DispatchRequest) -> tuple[torch.Tensor, Optional[torch.Tensor]]:
-        self.backend.agree_started()
+        self.legs.agree_started()
         x, x_scales = request.x, request.x_scales
         hdl = InternodeDispatchHandle(*request.handle)
         to_node = hdl.send_rdma_head >= 0
@@ -278,7 +311,7 @@ class InternodePath:
         return _pad_rows(received[0], num_rows, 0), recv_scales
 
     def combine(self, request: CombineRequest) -> tuple[torch.Tensor, Optional[torch.Tensor]]:
-        self.backend.agree_started()
+        self.legs.agree_started()
         x, topk_weights, bias_0, bias_1 = request.x, request.topk_weights, request.bias_0, request.bias_1
         hdl = InternodeDispatchHandle(*request.handle)
         topo, device = self.topology, x.device

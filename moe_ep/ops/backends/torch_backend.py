@@ -35,7 +35,7 @@ from ..requests import (CombineRequest, DispatchRequest, LowLatencyCombineReques
 from ..routing import DispatchLayout
 from ..settings import settings
 from ..validation import PeerInputError
-from .agreement import Agreement, PeerTimeoutError
+from .agreement import Agreement, PeerTimeoutError, check_same_settings
 from .base import CommBackend, DispatchResult, LowLatencyDispatchResult, RecvHook
 
 if TYPE_CHECKING:
@@ -252,10 +252,7 @@ class TorchBackend(CommBackend):
         if len({r["op"] for r in records}) > 1:
             names = {rank: r["op"] for rank, r in enumerate(records)}
             raise PeerInputError(f"ranks called different operations at the same time: {names}")
-        for column, name in enumerate(fields):
-            per_rank = [r["fields"][column] for r in records]
-            if len(set(per_rank)) > 1:
-                raise PeerInputError(f"{op}: ranks disagree on {name}: {per_rank} (rank order)")
+        check_same_settings(op, fields, [r["fields"] for r in records])
         return records
 
     def _agree_sizes(self, send_counts: list[int], recv_counts: list[int], cause: str) -> None:
