@@ -1,6 +1,6 @@
 // The `moe_ep._low_latency` and `moe_ep._low_latency_p2p` extension modules: torch binding of the
 // low-latency mode (argument checks and kernel launches on the current stream).
-// moe_ep/ops/backends/cuda_low_latency.py allocates the outputs and drives the protocol. Built only with
+// moe_ep/ops/backends/cuda_low_latency.py drives the protocol. Built only with
 // NVSHMEM. `_low_latency` is relocatable device code (NVSHMEM's device library needs it) and reaches
 // peers without P2P through NVSHMEM puts; `_low_latency_p2p` is the same source compiled with
 // MOE_EP_LL_P2P_ONLY as whole-program code, for groups whose peers are all mapped (one host with P2P):
@@ -66,6 +66,33 @@ ll::Layout layout_for_phases(NvshmemRuntime& rt, int64_t phases, int64_t max_tok
     TORCH_CHECK_VALUE(phases >= 1 && phases <= 3, "phases: expected 1 (send), 2 (receive) or 3 (both)");
     return (phases & ll::kSendPhase) ? rt.prepare(max_tokens, hidden, num_experts, stream)
                                      : rt.layout(max_tokens, hidden, num_experts);
+}
+
+// The outputs a dispatch fills, allocated in one call (each allocation from Python costs more than the
+// kernel launch): recv_x, recv_scales (FP8 only; token-dimension contiguous), src_info, layout_range,
+// recv_count.
+py::tuple dispatch_outputs(const NvshmemRuntime& rt, const Tensor& x, int64_t max_tokens, int64_t num_experts,
+                           int64_t mode) {
+    TORCH_CHECK_VALUE(x.dim() == 2, "x: expected [num_tokens, hidden]");
+    TORCH_CHECK_VALUE(mode >= 0 && mode <= 2, "mode: expected 0 (bf16), 1 (fp8) or 2 (fp8 ue8m0)");
+    const int64_t num_ranks = rt.num_ranks(), num_local = num_experts / num_ranks, hidden = x.size(1);
+    const int64_t slots = num_ranks * max_tokens;
+    const auto opts = x.options();
+    const auto dispatch_mode = static_cast<ll::Mode>(mode);
+    py::object recv_scales = py::none();
+    Tensor recv_x;
+    if (dispatch_mode == ll::Mode::kBF16) {
+        recv_x = at::empty({num_local, slots, hidden}, opts);
+    } else {
+        recv_x = at::empty({num_local, slots, hidden}, opts.dtype(at::kFloat8_e4m3fn));
+        const bool packed = dispatch_mode == ll::Mode::kFP8UE8M0;
+        const int64_t groups = packed ? (hidden / kFp8Block + 3) / 4 : hidden / kFp8Block;
+        recv_scales = py::cast(at::empty({num_local, groups, slots}, opts.dtype(packed ? at::kInt : at::kFloat))
+                                   .transpose(1, 2));
+    }
+    return py::make_tuple(recv_x, recv_scales, at::empty({num_local, slots}, opts.dtype(at::kInt)),
+                          at::empty({num_local, num_ranks}, opts.dtype(at::kLong)),
+                          at::empty({num_local}, opts.dtype(at::kInt)));
 }
 
 void dispatch(NvshmemRuntime& rt, const Tensor& x, const Tensor& topk_idx, const Tensor& recv_x,
@@ -264,6 +291,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         .def("clean", [](NvshmemRuntime& rt) { rt.clean(moe_ep::current_stream(rt)); })
         .def_property_readonly("all_peers_mapped", &NvshmemRuntime::all_peers_mapped)
         .def_property_readonly("num_bytes", &NvshmemRuntime::num_bytes);
+    m.def("ll_dispatch_outputs", &moe_ep::dispatch_outputs);
     m.def("ll_dispatch", &moe_ep::dispatch);
     m.def("ll_combine", &moe_ep::combine);
     m.def("ll_send_buffer", &moe_ep::send_buffer);

@@ -3,24 +3,52 @@
 from __future__ import annotations
 
 import contextlib
-from typing import ContextManager, Optional, Sequence
+from typing import ContextManager, NamedTuple, Optional, Sequence
 
 import torch
 
 from .event import EventOverlap
 
 
+class DeviceStreams(NamedTuple):
+    """A device's communication stream and the two events that order it against the caller's stream in a
+    synchronous call. The events are recorded again by every call: a stream's wait takes the record made
+    before it, so reusing them saves creating two events per call (which costs more than the launches)."""
+
+    comm: torch.cuda.Stream
+    enter: torch.cuda.Event  # the caller's stream, up to the call: the comm stream waits for it
+    leave: torch.cuda.Event  # the comm stream, up to the call's end: the caller's stream waits for it
+
+
 class CommStreams:
     """One communication stream per CUDA device, created on first use."""
 
     def __init__(self) -> None:
-        self._streams: dict[int, torch.cuda.Stream] = {}
+        self._streams: dict[int, DeviceStreams] = {}
 
-    def get(self, device: torch.device) -> torch.cuda.Stream:
+    def of(self, device: torch.device) -> DeviceStreams:
         index = device.index if device.index is not None else torch.cuda.current_device()
         if index not in self._streams:
-            self._streams[index] = torch.cuda.Stream(device=index)
+            self._streams[index] = DeviceStreams(torch.cuda.Stream(device=index), torch.cuda.Event(),
+                                                 torch.cuda.Event())
         return self._streams[index]
+
+    def get(self, device: torch.device) -> torch.cuda.Stream:
+        return self.of(device).comm
+
+
+class _OnStream:
+    """Makes `stream` the current one inside (what `torch.cuda.stream` does, with fewer runtime calls:
+    the caller already knows the stream to go back to)."""
+
+    def __init__(self, stream: torch.cuda.Stream, back_to: torch.cuda.Stream) -> None:
+        self.stream, self.back_to = stream, back_to
+
+    def __enter__(self) -> None:
+        torch.cuda.set_stream(self.stream)
+
+    def __exit__(self, *exc: object) -> None:
+        torch.cuda.set_stream(self.back_to)
 
 
 class StreamScope:
@@ -51,28 +79,31 @@ class StreamScope:
         self.on_comm_stream = device.type == "cuda"
         if self.on_comm_stream:
             self.compute = torch.cuda.current_stream(device)
-            self.comm = streams.get(device)
+            own = streams.of(device)
+            self.comm, self._leave = own.comm, own.leave
             if waits:
                 self.comm.wait_event(previous_event.event)
             else:
-                self.comm.wait_stream(self.compute)
+                own.enter.record(self.compute)
+                self.comm.wait_event(own.enter)
 
     def run(self) -> ContextManager[object]:
         """The context the call's work runs in: the comm stream, or where the caller is."""
-        return torch.cuda.stream(self.comm) if self.on_comm_stream else contextlib.nullcontext()
+        return _OnStream(self.comm, self.compute) if self.on_comm_stream else contextlib.nullcontext()
 
     def finish(self, inputs: Sequence[object], outputs: Sequence[object]) -> EventOverlap:
         if not self.on_comm_stream:
             return EventOverlap()
-        event = torch.cuda.Event()
-        event.record(self.comm)
         if not self.async_finish:
+            self._leave.record(self.comm)
             # Nothing queued on the current stream from now on runs before the comm stream's work, so
             # the inputs need no record; the outputs, allocated on the comm stream, are used here.
             for tensor in _tensors(outputs):
                 tensor.record_stream(self.compute)
-            self.compute.wait_event(event)
+            self.compute.wait_event(self._leave)
             return EventOverlap()
+        event = torch.cuda.Event()  # the caller holds it: one of its own
+        event.record(self.comm)
         for tensor in _tensors(inputs):
             tensor.record_stream(self.comm)
         if not self.allocate_on_comm_stream:

@@ -10,6 +10,7 @@
 // senders make progress while its reducers wait for theirs.
 #include <algorithm>
 
+#include "common/launch_cache.cuh"
 #include "common/phase_clock.cuh"
 #include "common/pipeline.cuh"
 #include "intranode/api.cuh"
@@ -238,9 +239,8 @@ cudaError_t launch_for_ranks(const CombineArgs& args, const CommContext& comm, c
     const int staged_stages = max_pipeline_stages(staged_slot_bytes);
     const size_t smem = std::max(stage_ring_smem_bytes(stages, slot_bytes),
                                  staged_stages > 0 ? stage_ring_smem_bytes(staged_stages, staged_slot_bytes) : 0);
-    cudaError_t err = cudaFuncSetAttribute(combine_kernel<T, kRanks>, cudaFuncAttributeMaxDynamicSharedMemorySize,
-                                           static_cast<int>(smem));
-    if (err != cudaSuccess) return err;
+    if (const cudaError_t err = allow_dynamic_shared_memory(combine_kernel<T, kRanks>, smem); err != cudaSuccess)
+        return err;
     combine_kernel<T, kRanks>
         <<<args.num_channels, kCombineThreads, smem, stream>>>(args, comm, stages, staged_stages, slot_bytes);
     return cudaGetLastError();

@@ -7,6 +7,7 @@
 // outputs.
 #include <algorithm>
 
+#include "common/launch_cache.cuh"
 #include "common/phase_clock.cuh"
 #include "common/pipeline.cuh"
 #include "intranode/api.cuh"
@@ -322,10 +323,8 @@ int dispatch_slot_bytes(int row_bytes, int num_scales, int num_topk) {
 }
 
 int max_pipeline_stages(int slot_bytes) {
-    int device = 0, optin = 0;
-    if (cudaGetDevice(&device) != cudaSuccess ||
-        cudaDeviceGetAttribute(&optin, cudaDevAttrMaxSharedMemoryPerBlockOptin, device) != cudaSuccess)
-        return 0;
+    const int optin = shared_memory_optin();
+    if (optin == 0) return 0;
     const int static_bytes = 2048;  // static shared memory of the kernels
     const int ring_bytes = optin - static_bytes - kStageRingHeaderBytes;
     const int stages = std::min(kMaxStages, ring_bytes / stage_stride(slot_bytes));
@@ -338,9 +337,7 @@ cudaError_t launch_dispatch(const DispatchArgs& args, const CommContext& comm, c
     const int stages = max_pipeline_stages(slot_bytes);
     if (stages == 0) return cudaErrorInvalidValue;
     const size_t smem = stage_ring_smem_bytes(stages, slot_bytes);
-    cudaError_t err = cudaFuncSetAttribute(dispatch_kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
-                                           static_cast<int>(smem));
-    if (err != cudaSuccess) return err;
+    if (const cudaError_t err = allow_dynamic_shared_memory(dispatch_kernel, smem); err != cudaSuccess) return err;
     dispatch_kernel<<<args.num_channels, kDispatchThreads, smem, stream>>>(args, comm, stages, slot_bytes);
     return cudaGetLastError();
 }

@@ -45,10 +45,8 @@ from typing import Callable, Optional
 import torch
 import torch.distributed as dist
 
-from .. import fp8
 from ..handles import LowLatencyHandle
 from ..requests import LowLatencyCombineRequest, LowLatencyDispatchRequest
-from ..routing import ceil_div
 from ..settings import settings
 from ..topology import gather_host_records
 from .base import LowLatencyDispatchResult, RecvHook
@@ -226,23 +224,9 @@ class LowLatencyRuntime:
                              ) -> tuple[LowLatencyDispatchResult, Optional[RecvHook]]:
         r = request
         max_tokens, hidden, num_experts = r.num_max_dispatch_tokens_per_rank, r.x.size(1), r.num_experts
-        num_local, slots = num_experts // self.num_ranks, self.num_ranks * max_tokens
-        device = r.x.device
-        recv_scales = None
-        if r.use_fp8:
-            recv_x = torch.empty(num_local, slots, hidden, dtype=fp8.FP8_DTYPE, device=device)
-            if r.use_ue8m0:
-                groups = ceil_div(hidden, fp8.BLOCK * fp8.UE8M0_PER_INT32)
-                recv_scales = torch.empty(num_local, groups, slots, dtype=torch.int32, device=device).transpose(1, 2)
-            else:
-                recv_scales = torch.empty(num_local, hidden // fp8.BLOCK, slots, dtype=torch.float32,
-                                          device=device).transpose(1, 2)
-        else:
-            recv_x = torch.empty(num_local, slots, hidden, dtype=r.x.dtype, device=device)
-        src_info = torch.empty(num_local, slots, dtype=torch.int32, device=device)
-        layout_range = torch.empty(num_local, self.num_ranks, dtype=torch.int64, device=device)
-        recv_count = torch.empty(num_local, dtype=torch.int32, device=device)
         mode = (2 if r.use_ue8m0 else 1) if r.use_fp8 else 0
+        recv_x, recv_scales, src_info, layout_range, recv_count = _ext().ll_dispatch_outputs(
+            self._runtime, r.x, max_tokens, num_experts, mode)
 
         def launch(phases: int) -> None:
             _ext().ll_dispatch(self._runtime, r.x, r.topk_idx, recv_x, recv_scales, src_info, layout_range, recv_count,
