@@ -13,6 +13,8 @@ is a module of its own, and why `moe_ep._low_latency_p2p` (the same sources comp
 `MOE_EP_LL_P2P_ONLY`: no NVSHMEM device calls, for groups whose peers are all mapped) exists: every
 other module stays whole-program code (under `-rdc` the FP8 GEMM spills and runs 2.4x slower, the
 normal-mode combine ran 24 % slower). `MOE_EP_PROFILE=1` adds per-phase timing to `moe_ep._C`.
+`MOE_EP_BUILD_MODULES` (comma list, e.g. `moe_ep._C,moe_ep._low_latency_p2p`) builds only those modules,
+for a quick device run that needs no others.
 CUDA builds need the installed torch: `pip install --no-build-isolation -e .`.
 """
 
@@ -176,6 +178,12 @@ ext_modules = []
 cmdclass = {}
 if _want_cuda():
     ext_modules = [_cuda_extension(), *_low_latency_extensions(), _fp8_extension()]
+    if os.environ.get("MOE_EP_BUILD_MODULES"):
+        chosen = os.environ["MOE_EP_BUILD_MODULES"].split(",")
+        unknown = sorted(set(chosen) - set(_MODULES))
+        if unknown:
+            sys.exit(f"MOE_EP_BUILD_MODULES: unknown module(s) {unknown}; choose from {sorted(_MODULES)}")
+        ext_modules = [ext for ext in ext_modules if ext.name in chosen]
     cmdclass = {"build_ext": _build_ext_command()}
 
 setup(ext_modules=ext_modules, cmdclass=cmdclass)
