@@ -140,7 +140,7 @@ class MoELayer(nn.Module):
         at most two low-latency results are in flight at a time, as DeepEP's double buffering allows.
         """
         cfg = self.config
-        with self._input_check("MoELayer.decode"):
+        with self._input_check("MoELayer.decode", low_latency=True):
             self._check_hidden(hidden)
             if cfg.low_latency_max_tokens is None:
                 raise ValueError("decode: set config.low_latency_max_tokens")
@@ -168,9 +168,9 @@ class MoELayer(nn.Module):
         out = torch.cat(combined).to(x.dtype)
         return self._add_shared(out, shared).view(hidden.shape)
 
-    def _input_check(self, op: str) -> ContextManager[None]:
+    def _input_check(self, op: str, low_latency: bool = False) -> ContextManager[None]:
         """This rank's input checks for `op`, whose failure every rank of the group learns (`Buffer.input_check`)."""
-        return self.dispatcher.buffer.input_check(op, self.router.weight.device)
+        return self.dispatcher.buffer.input_check(op, self.router.weight.device, low_latency)
 
     def _check_hidden(self, hidden: object) -> None:
         """`hidden [..., H]`: checked before any reshape, which would regroup another hidden size silently."""

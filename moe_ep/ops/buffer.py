@@ -283,20 +283,27 @@ class Buffer:
         return self._torch if backend is self._cuda and across_nodes and self.low_latency_mode else backend
 
     @contextlib.contextmanager
-    def input_check(self, op: str, device: torch.device) -> Iterator[None]:
-        """Run this rank's own argument checks for `op` (on `device`'s backend) so that every rank learns
-        of a failure: a `TypeError` or `ValueError` raised inside is re-raised here once the peers know,
-        and they raise `PeerInputError` naming this rank and the argument at the start of their next
-        operation on the group (torch backend; with the CUDA backend they time out instead). Nothing is
-        exchanged while the checks pass. The Buffer's own calls and the layers' checks use it."""
+    def input_check(self, op: str, device: torch.device, low_latency: bool = False) -> Iterator[None]:
+        """Run this rank's own argument checks for `op` (on the backend `device`'s normal-mode calls take, or
+        with `low_latency` its low-latency calls) so that every rank learns of a failure: a `TypeError` or
+        `ValueError` raised inside is re-raised here once the peers know, and they raise `PeerInputError`
+        naming this rank and the argument at the start of their next operation on the group (torch backend;
+        with the CUDA backend they time out instead). Nothing is exchanged while the checks pass. The
+        Buffer's own calls and the layers' checks use it."""
         try:
             yield
         except (TypeError, ValueError) as exc:
-            self._refuse(op, device, exc)
+            tensor = torch.empty(0, device=device)
+            if low_latency:
+                backend = self._backend_for(tensor)
+            else:  # the peers' next exchange: learning the nodes (torch backend), or the operation's own
+                backend = self._torch if self._topology is None else self._normal_backend_for(tensor, op)
+            self._refuse(op, backend, device, exc)
 
-    def _refuse(self, op: str, device: torch.device, error: Exception) -> NoReturn:
-        """Raise this rank's input `error` once its peers know of it (`input_check`)."""
-        self._backend_for(torch.empty(0, device=device)).agree(op, {}, error, device)  # raises `error`
+    def _refuse(self, op: str, backend: CommBackend, device: torch.device, error: Exception) -> NoReturn:
+        """Raise this rank's input `error` once its peers know of it (`input_check`), through the backend
+        the operation runs on: the one whose exchange the peers make next."""
+        backend.agree(op, {}, error, device)  # raises `error`
         raise error
 
     def _request(self, op: str, x: object, build: Callable[[], RequestT],
@@ -310,7 +317,7 @@ class Buffer:
                 self._require_low_latency(op)
             request = build()
         except (TypeError, ValueError) as exc:
-            self._refuse(op, tensor.device, exc)
+            self._refuse(op, backend, tensor.device, exc)
         backend.start(op, request)
         return backend, request
 
