@@ -253,18 +253,20 @@ class InternodePath:
             torch.tensor([num_worst_tokens, *agreed.values()], dtype=torch.int64, device=device),
         ])
         table = self.legs.gather_rows(header)
+        host = table.cpu()  # one copy for every count the host needs (sizes, checks)
         rank_columns = num_ranks + num_experts
         rdma_columns = rank_columns + num_ranks * num_channels
         worst_column = rdma_columns + num_nodes * num_channels
         if agreed:
-            check_same_settings("dispatch", agreed, table[:, worst_column + 1:].tolist())
+            check_same_settings("dispatch", agreed, host[:, worst_column + 1:].tolist())
         send_matrix = table[:, :num_ranks]
         expert_counts = table[:, num_ranks:rank_columns]
         sender_channel_prefix = table[:, rank_columns:rdma_columns].view(num_ranks, num_ranks, num_channels)[:, me]
         rail_sources = topo.rail_ranks(topo.local_rank)
         sender_rdma_prefix = table[rail_sources, rdma_columns:worst_column].view(
             num_nodes, num_nodes, num_channels)[:, topo.node]  # [source node, C]
-        self.backend._check_worst_tokens(send_matrix.sum(0).tolist(), table[:, worst_column].tolist())
+        host_sends = host[:, :num_ranks]
+        self.backend._check_worst_tokens(host_sends.sum(0).tolist(), host[:, worst_column].tolist())
         recv_rdma_rank_prefix_sum = sender_rdma_prefix[:, -1].cumsum(0).to(torch.int32)
 
         # Network leg: each token once per destination node, with the node's slice of its rank mask.
@@ -272,14 +274,16 @@ class InternodePath:
         payload = dispatch_payload(request)
         codec = self._codec(payload, extra_bytes=topo.num_ranks_per_node)
         in_node = is_token_in_rank.reshape(x.size(0), num_nodes, topo.num_ranks_per_node)[token, dest_node]
-        rail_rows = self._to_rails(codec.pack(payload, token, extra=in_node), to_node,
-                                   sender_rdma_prefix[:, -1].tolist(), config)
+        from_nodes = host[rail_sources, rdma_columns:worst_column].view(num_nodes, num_nodes, num_channels)[
+            :, topo.node, -1].tolist()
+        rail_rows = self._to_rails(codec.pack(payload, token, extra=in_node), to_node, from_nodes, config)
 
         # Node leg: the rail rank forwards each row to the ranks of its node that need it.
         forward = codec.extra(rail_rows).bool()
-        received = codec.unpack(self._forward(rail_rows, forward, send_matrix[:, me].tolist(), config))
+        to_me = host_sends[:, me].tolist()
+        received = codec.unpack(self._forward(rail_rows, forward, to_me, config))
 
-        num_rows = num_worst_tokens if num_worst_tokens > 0 else int(send_matrix[:, me].sum())
+        num_rows = num_worst_tokens if num_worst_tokens > 0 else sum(to_me)
         out = unpack_dispatched(received, request, num_rows, me, num_local)
         handle = InternodeDispatchHandle(
             *rank_handle(send_matrix, channel_prefix, sender_channel_prefix, out.recv_src_idx, is_token_in_rank, me),
