@@ -21,6 +21,7 @@
 #     overhead: benchmarks/bench_overhead.py, whole calls with the ranks of worlds OVERHEAD_WORLDS (default
 #     2,4) sharing the GPUs (host time per call, call + sync, every kernel of a call), at 4096 tokens, hidden
 #     7168, top-8 of 256 experts (OVERHEAD_TIMEOUT, default 150 s; OVERHEAD_ARGS: e.g. --iters 30);
+#     overheadab: the overhead benchmark on the tree of a base commit and on this one, in turn (see below);
 #     examples: the DeepSeek-V3-style training on every GPU (its 2 ranks share the GPU on a one-GPU machine)
 #     and the accelerate fine-tuning on 2 GPUs
 #     (EXAMPLES_TIMEOUT each, output in examples.log, loss curve and metrics in files.tgz).
@@ -140,6 +141,27 @@ if has overhead; then
     echo "================ overhead table"
     awk '/^whole Buffer calls/ {found = 1; block = ""} found {block = block $0 "\n"} END {printf "%s", block}' \
         "$OUT/bench.log"
+fi
+
+# overheadab: the overhead benchmark on two trees in one call, so that host times compare on one machine
+# (they move by up to 2x between machines of one kind): OVERHEAD_BASE_TREE, a source tree of the base
+# commit carried with the call (e.g. `git archive BASE | tar -x -C build/ab_base`, then carry build/ab_base),
+# is built in place, then both trees are timed in turn, twice (OVERHEAD_AB_WORLDS, default 1).
+if has overheadab; then
+    base=${OVERHEAD_BASE_TREE:?overheadab needs OVERHEAD_BASE_TREE}
+    start=$(date +%s)
+    (cd "$base" && MOE_EP_BUILD_CUDA=1 MOE_EP_BUILD_MODULES=moe_ep._C,moe_ep._low_latency,moe_ep._low_latency_p2p \
+        MAX_JOBS=$(nproc) $PY setup.py build_ext --inplace > "$OUT/build_base.log" 2>&1)
+    summary+=("base build: rc=$? in $(( $(date +%s) - start )) s")
+    for round in 1 2; do
+        for tree in "$base" "$PWD"; do
+            label=$([[ "$tree" == "$base" ]] && echo base || echo head)
+            PYTHONPATH=$tree run_bench "overhead $label $round" "${OVERHEAD_TIMEOUT:-150}" bench_overhead.py \
+                "overhead_${label}_$round.json" --worlds "${OVERHEAD_AB_WORLDS:-1}" --tokens 4096 --hidden 7168 \
+                --experts 256 --topk 8 --timeout 80 ${OVERHEAD_ARGS:-}
+        done
+    done
+    sed -i '/^USDT:/d' "$OUT/bench.log"
 fi
 
 if has probe; then
