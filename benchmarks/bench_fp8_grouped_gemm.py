@@ -1,30 +1,49 @@
-"""Blockwise FP8 grouped GEMMs (CUDA and Triton) and FP8 casts against BF16 `torch._grouped_mm` on one GPU.
+"""Blockwise FP8 grouped GEMMs (CUDA and Triton) and FP8 casts against BF16 `torch._grouped_mm` on one GPU,
+with a per-kernel profile: TFLOP/s beside the SM clock and power sampled during each kernel's run.
 
-DeepSeek-V3 expert shapes on one rank: 64 local experts, about 32768 expert-major rows in uneven
-segments padded to 16 rows; the gate/up projection (K 7168 -> M 4096) and the down projection
-(K 2048 -> M 7168). For each: forward and input gradient (dgrad: the same kernel against the
-transposed FP8 weight), FP8 (the `moe_ep._fp8` wgmma kernel where built, and Triton) vs BF16,
-CUDA-event medians; Triton's autotuned tile and every tile's time; where the CUDA kernel runs, the
-weight gradient too (BF16 `torch._grouped_mm` against the depth-grouped FP8 GEMM, and the two casts
-along the tokens it needs);
+`--shapes ours` (DeepSeek-V3 expert shapes on one rank): 64 local experts, about 32768 expert-major
+rows in uneven segments padded to 16 rows; the gate/up projection (K 7168 -> N 4096) and the down
+projection (K 2048 -> N 7168). For each: forward and input gradient (dgrad: the same kernel against the
+transposed FP8 weight), FP8 (the `moe_ep._fp8` wgmma kernel where built, and Triton) vs BF16;
+Triton's autotuned tile and every tile's time; where the CUDA kernel runs, the weight gradient too
+(BF16 `torch._grouped_mm` against the depth-grouped FP8 GEMM, and the two casts along the tokens it
+needs); the forward also as what a user could pick instead: `torch._scaled_grouped_mm` with row-wise
+scales (with and without fast accumulation) and, where `fbgemm_gpu` GenAI imports, its row-wise and
+blockwise grouped GEMMs (a missing one is listed as not run, with the reason);
 the fused Triton casts (1x128 rows of the GEMM input and of the output gradient, the input rows cast
 back to BF16, 128x128 weight cast with its transposed copy) against the torch reference casts, which
 they must equal bit for bit. Then the whole expert MLP (`GroupedMLP`, SwiGLU, forward+backward on
 the same segments, hidden 7168, intermediate 2048): BF16, FP8 with the weights cast on every step (as
 after each optimizer step), FP8 with cached casts (gradient-accumulation micro-batches), the same
-with FP8 weight gradients (CUDA GEMMs only), and the weight cast alone, with the CUDA GEMMs and again with the Triton ones; `--profile` adds the BF16 and
-FP8 steps' kernels by GPU time.
-Prints JSON, then a table (and writes the JSON with --out).
+with FP8 weight gradients (CUDA GEMMs only), and the weight cast alone, with the CUDA GEMMs and again
+with the Triton ones; `--profile` adds the BF16 and FP8 steps' kernels by GPU time.
 
-    python benchmarks/bench_fp8_grouped_gemm.py --out fp8_grouped_gemm.json [--profile]
+`--shapes deepgemm`: DeepGEMM's published grouped contiguous shapes, 4 experts of 8192 rows, N 4096 / K
+7168 and N 7168 / K 2048, forward only: the FP8 CUDA and Triton kernels, BF16, and the alternatives above.
 
-About a minute on one H200, most of it compiling the autotuned tiles (two specializations each).
+Every GEMM row of the profile is timed over at least `--sample-seconds` (default 1 s; CUDA-event median
+of the runs) while `nvidia-smi` samples the SM clock and power every 100 ms (`gpu_clocks.py`): a row
+gets the median clock and power of its run, and its TFLOP/s at the board's maximum SM clock (the
+measured rate x max clock / median clock), so that a kernel held back by the power cap is told apart
+from a slow one. Runs this long settle lower than the 20-run medians this benchmark used to take
+(the clock falls within seconds under load); `--sample-seconds 0` gives 20-run medians again, mostly
+without clock samples. Errors are relative to float64 of the BF16 operands before any cast, on up to
+4096 rows spread over the groups, so row-wise and blockwise scaling are compared at stated accuracy.
+Prints each profile row as it is measured, then the JSON, then the tables (and writes the JSON with --out).
+
+    python benchmarks/bench_fp8_grouped_gemm.py --out fp8_grouped_gemm.json [--profile] [--shapes ours,deepgemm]
+
+About a minute on one H200 without the profile, most of it compiling the autotuned tiles (two
+specializations each); the profile adds `--sample-seconds` for each of its 30 rows (both shape sets,
+where the CUDA kernel and `torch._scaled_grouped_mm` run), so about 1.5 minutes in all by default.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import os
+from functools import partial
 from typing import Callable, Optional
 
 import torch
@@ -32,10 +51,13 @@ import triton
 
 from moe_ep.kernels import fp8_grouped_gemm as gemm
 from moe_ep.kernels.fp8_backend import fp8_backend_for
-from moe_ep.kernels.fp8_casts import (cuda_weight_cast_runs, per_block_cast_to_fp8_with_transpose,
+from moe_ep.kernels.fp8_casts import (FP8Rows, cuda_weight_cast_runs, per_block_cast_to_fp8_with_transpose,
                                       per_column_segments_cast_to_fp8, per_token_cast_back, per_token_cast_to_fp8)
 from moe_ep.layers import GroupedMLP
 from moe_ep.ops import fp8
+from fp8_profile import (DEEPGEMM_SHAPES, KernelTimer, alternative_impls, deepgemm_counts, grouped_gemm_flops,
+                         parse_shape_sets, profile_table, relative_error)
+from gpu_clocks import ClockSampler, find_gpu, gpu_id_candidates
 from timing import local_median_us
 
 ALIGNMENT = 16
@@ -51,10 +73,6 @@ def segment_counts(num_experts: int, rows: int, seed: int) -> list[int]:
     popularity = torch.rand(num_experts, generator=g) ** 2 + 0.05
     counts = torch.multinomial(popularity, rows, replacement=True, generator=g).bincount(minlength=num_experts)
     return [int(c + (-c) % ALIGNMENT) for c in counts]
-
-
-def relative_error(got: torch.Tensor, want: torch.Tensor) -> float:
-    return float((got.double() - want.double()).norm() / want.double().norm())
 
 
 def same_bits(got: tuple[torch.Tensor, ...], want: tuple[torch.Tensor, ...]) -> bool:
@@ -114,20 +132,34 @@ def bench_casts(x: torch.Tensor, grad: torch.Tensor, w: torch.Tensor) -> dict:
     return results
 
 
-def bench_projection(num_experts: int, rows: int, depth: int, width: int, seed: int) -> dict:
-    """Forward `[N, depth] -> [N, width]` and its dgrad, FP8 Triton vs BF16 grouped GEMMs, and the casts."""
+def blockwise_impls(a: torch.Tensor, a_8: FP8Rows, b: torch.Tensor, b_8: tuple[torch.Tensor, torch.Tensor],
+                    ends: torch.Tensor) -> tuple[dict, dict]:
+    """`a[rows of e] @ b[e].T` (`a [N, K]`, `b [E, N_OUT, K]` BF16) as BF16 `torch._grouped_mm`, and as the
+    blockwise FP8 GEMM on their casts `a_8`, `b_8`: Triton (autotuned), and the CUDA kernel where it runs."""
+    impls = {"bf16": partial(torch._grouped_mm, a, b.transpose(-2, -1), offs=ends),
+             "fp8-triton": partial(gemm.fp8_grouped_mm, *a_8, *b_8, ends, backend="triton")}
+    if not gemm.cuda_kernel_runs(a_8[0], b_8[0]):
+        return impls, {"fp8-cuda": "the moe_ep._fp8 kernel does not run here (an sm_90a build on an sm_90 GPU)"}
+    impls["fp8-cuda"] = partial(gemm.fp8_grouped_mm, *a_8, *b_8, ends, backend="cuda")
+    return impls, {}
+
+
+def bench_projection(timer: KernelTimer, num_experts: int, rows: int, depth: int, width: int, seed: int,
+                     proj: str) -> dict:
+    """Forward `[N, depth] -> [N, width]`, its dgrad and wgrad, FP8 vs BF16 grouped GEMMs (the forward also
+    row-wise), the casts, and every Triton tile."""
     counts = segment_counts(num_experts, rows, seed)
     num_rows = sum(counts)
     ends = torch.tensor(counts, device="cuda").cumsum(0).to(torch.int32)
     x = torch.randn(num_rows, depth, device="cuda", dtype=torch.bfloat16)
     grad = torch.randn(num_rows, width, device="cuda", dtype=torch.bfloat16)
-    w = torch.randn(num_experts, width, depth, device="cuda", dtype=torch.bfloat16) / depth ** 0.5
-    casts = bench_casts(x, grad, w)
+    w_bf16 = torch.randn(num_experts, width, depth, device="cuda", dtype=torch.bfloat16) / depth ** 0.5
+    casts = bench_casts(x, grad, w_bf16)
     qx, sx = per_token_cast_to_fp8(x)
     qg, sg = per_token_cast_to_fp8(grad)
-    qw, sw, qw_t = per_block_cast_to_fp8_with_transpose(w)
+    qw, sw, qw_t = per_block_cast_to_fp8_with_transpose(w_bf16)
     sw_t = sw.transpose(-2, -1)
-    w = fp8.per_block_cast_back(qw, sw, torch.bfloat16)  # both paths multiply the same weights
+    w = fp8.per_block_cast_back(qw, sw, torch.bfloat16)  # the weights the FP8 GEMMs multiply
 
     def forward(config: Optional[triton.Config] = None, backend: str = "triton") -> torch.Tensor:
         return gemm.fp8_grouped_mm(qx, sx, qw, sw, ends, config=config, backend=backend)
@@ -146,27 +178,40 @@ def bench_projection(num_experts: int, rows: int, depth: int, width: int, seed: 
                                         @ dense_w),
         "dgrad_tile": tile_name(gemm._grouped_mm_kernel.best_config),
     }
+    del w, dense_w
     cuda = gemm.cuda_kernel_runs(qx, qw)
     if cuda:
         for op, run in (("forward", forward), ("dgrad", dgrad)):
             got, want = run(backend="cuda"), run()
             checks[f"cuda_{op}_rel_err_vs_triton"] = relative_error(got, want)
-            checks[f"cuda_{op}_bitwise_share"] = float((got.view(torch.int16) == want.view(torch.int16)).double().mean())
+            same = got.view(torch.int16) == want.view(torch.int16)
+            checks[f"cuda_{op}_bitwise_share"] = float(same.double().mean())
 
+    # The profile: every implementation's error against float64 and its time, the clock sampled meanwhile.
+    shape, flops = f"ours {proj}", grouped_gemm_flops(num_rows, depth, width)
+    impls, skipped = blockwise_impls(x, (qx, sx), w_bf16, (qw, sw), ends)
+    alternatives, alternatives_skipped = alternative_impls(x, w_bf16, ends, counts)
+    forwards = timer.profile(shape, "forward", {**impls, **alternatives}, {**skipped, **alternatives_skipped},
+                             x, w_bf16, counts, flops)
+    del alternatives  # their row-wise copies of the weights
+    w_t_bf16 = w_bf16.transpose(-2, -1)  # dgrad: grad [N, width] @ w[e] [width, depth]
+    dgrad_impls, dgrad_skipped = blockwise_impls(grad, (qg, sg), w_t_bf16, (qw_t, sw_t), ends)
+    dgrads = timer.profile(shape, "dgrad", dgrad_impls, dgrad_skipped, grad, w_t_bf16, counts, flops)
+    times = {}
+    for op, measured in (("forward", forwards), ("dgrad", dgrads)):
+        times[f"bf16_{op}_us"], times[f"fp8_{op}_us"] = measured["bf16"]["us"], measured["fp8-triton"]["us"]
+        checks[f"bf16_{op}_rel_err_fp64"] = measured["bf16"]["rel_err"]
+        checks[f"fp8_{op}_rel_err_fp64"] = measured["fp8-triton"]["rel_err"]
+        if cuda:
+            times[f"cuda_fp8_{op}_us"] = measured["fp8-cuda"]["us"]
+            checks[f"cuda_fp8_{op}_rel_err_fp64"] = measured["fp8-cuda"]["rel_err"]
+    for impl in [impl for impl in forwards if impl not in impls]:  # the alternatives that ran
+        times[f"{impl}_forward_us"] = forwards[impl]["us"]
+        checks[f"{impl}_forward_rel_err_fp64"] = forwards[impl]["rel_err"]
     if cuda:
-        checks.update(bench_weight_grad_check(counts, x, grad, (qx, sx)))
-    w_t = w.transpose(-2, -1)
-    times = {
-        "bf16_forward_us": local_median_us(lambda: torch._grouped_mm(x, w_t, offs=ends)),
-        "fp8_forward_us": local_median_us(forward),
-        "bf16_dgrad_us": local_median_us(lambda: torch._grouped_mm(grad, w, offs=ends)),
-        "fp8_dgrad_us": local_median_us(dgrad),
-    }
-    if cuda:
-        times["cuda_fp8_forward_us"] = local_median_us(lambda: forward(backend="cuda"))
-        times["cuda_fp8_dgrad_us"] = local_median_us(lambda: dgrad(backend="cuda"))
-        times.update(bench_weight_grad_times(counts, x, grad, (qx, sx)))
-    flops = 2 * num_rows * depth * width
+        wgrad = bench_weight_grad(timer, shape, counts, x, grad, (qx, sx))
+        times.update({k: v for k, v in wgrad.items() if k.endswith("_us")})
+        checks.update({k: v for k, v in wgrad.items() if not k.endswith("_us")})
     tflops = {name.replace("_us", "_tflops"): flops / (t * 1e-6) / 1e12 for name, t in times.items()
               if "casts" not in name}
     tiles = {"forward_tiles_us": time_each_tile(forward, width), "dgrad_tiles_us": time_each_tile(dgrad, depth)}
@@ -177,7 +222,7 @@ def bench_projection(num_experts: int, rows: int, depth: int, width: int, seed: 
                if f"{kind}fp8_{op}_us" in times}}
 
 
-def weight_grad_operands(counts: list[int], grad: torch.Tensor, x_8: tuple[torch.Tensor, torch.Tensor]):
+def weight_grad_operands(counts: list[int], grad: torch.Tensor, x_8: FP8Rows):
     """The depth-grouped GEMM's operands: `grad` and the FP8 rows cast along each expert's tokens."""
     lengths = torch.tensor(counts, device="cuda", dtype=torch.int32)
     starts = lengths.cumsum(0, dtype=torch.int32) - lengths
@@ -189,25 +234,45 @@ def weight_grad_operands(counts: list[int], grad: torch.Tensor, x_8: tuple[torch
     return casts, padded_ends
 
 
-def bench_weight_grad_check(counts: list[int], x: torch.Tensor, grad: torch.Tensor,
-                            x_8: tuple[torch.Tensor, torch.Tensor]) -> dict:
-    """The FP8 weight gradient of the first expert against BF16 on the same (unquantized) values."""
-    casts, padded_ends = weight_grad_operands(counts, grad, x_8)
-    (g_t, x_t) = casts()
-    got = gemm.fp8_depth_grouped_mm(*g_t, *x_t, padded_ends)[0]
-    first = slice(0, counts[0])
-    return {"wgrad_rel_err": relative_error(got, grad[first].float().t() @ x[first].float())}
-
-
-def bench_weight_grad_times(counts: list[int], x: torch.Tensor, grad: torch.Tensor,
-                            x_8: tuple[torch.Tensor, torch.Tensor]) -> dict:
-    """BF16 weight gradient, the FP8 depth-grouped GEMM alone, and its two casts."""
+def bench_weight_grad(timer: KernelTimer, shape: str, counts: list[int], x: torch.Tensor, grad: torch.Tensor,
+                      x_8: FP8Rows) -> dict:
+    """BF16 weight gradient and the FP8 depth-grouped GEMM (their first expert against float64 of the
+    unquantized values), timed with the clock sampled; the FP8 GEMM's two casts, timed alone."""
     ends = torch.tensor(counts, device="cuda").cumsum(0).to(torch.int32)
     casts, padded_ends = weight_grad_operands(counts, grad, x_8)
     g_t, x_t = casts()
-    return {"bf16_wgrad_us": local_median_us(lambda: torch._grouped_mm(grad.t(), x, offs=ends)),
-            "cuda_fp8_wgrad_us": local_median_us(lambda: gemm.fp8_depth_grouped_mm(*g_t, *x_t, padded_ends)),
+    first = slice(0, counts[0])
+    want = grad[first].double().t() @ x[first].double()
+
+    def bf16() -> torch.Tensor:
+        return torch._grouped_mm(grad.t(), x, offs=ends)
+
+    def fp8_depth() -> torch.Tensor:
+        return gemm.fp8_depth_grouped_mm(*g_t, *x_t, padded_ends)
+
+    errors = {"bf16_wgrad_rel_err": relative_error(bf16()[0], want),
+              "wgrad_rel_err": relative_error(fp8_depth()[0], want)}
+    flops = grouped_gemm_flops(sum(counts), x.size(1), grad.size(1))
+    return {**errors,
+            "bf16_wgrad_us": timer.time(bf16, shape=shape, op="wgrad", impl="bf16", flops=flops,
+                                        rel_err=errors["bf16_wgrad_rel_err"]),
+            "cuda_fp8_wgrad_us": timer.time(fp8_depth, shape=shape, op="wgrad", impl="fp8-cuda", flops=flops,
+                                            rel_err=errors["wgrad_rel_err"]),
             "cuda_fp8_wgrad_casts_us": local_median_us(casts)}
+
+
+def bench_deepgemm_shape(timer: KernelTimer, name: str, depth: int, width: int) -> dict:
+    """DeepGEMM's grouped contiguous layout (equal groups, `deepgemm_counts`), forward only:
+    `{impl: {"us", "rel_err"}}` of the FP8 kernels, BF16 and the alternatives."""
+    counts = deepgemm_counts()
+    ends = torch.tensor(counts, device="cuda").cumsum(0).to(torch.int32)
+    x = torch.randn(sum(counts), depth, device="cuda", dtype=torch.bfloat16)
+    w = torch.randn(len(counts), width, depth, device="cuda", dtype=torch.bfloat16) / depth ** 0.5
+    qw, sw, _ = per_block_cast_to_fp8_with_transpose(w)
+    impls, skipped = blockwise_impls(x, per_token_cast_to_fp8(x), w, (qw, sw), ends)
+    alternatives, alternatives_skipped = alternative_impls(x, w, ends, counts)
+    return timer.profile(name, "forward", {**impls, **alternatives}, {**skipped, **alternatives_skipped},
+                         x, w, counts, grouped_gemm_flops(sum(counts), depth, width))
 
 
 def bench_experts(num_experts: int, rows: int, profile: bool) -> dict:
@@ -284,7 +349,8 @@ def gemm_lines(results: dict) -> list[str]:
         r = results[proj]
         for op in ("forward", "dgrad"):
             cuda = (f"{r[f'cuda_fp8_{op}_us']:8.0f} {r[f'cuda_fp8_{op}_tflops']:6.0f} "
-                    f"{r[f'cuda_fp8_over_bf16_{op}']:9.2f}" if f"cuda_fp8_{op}_us" in r else f"{'-':>8s} {'-':>6s} {'-':>9s}")
+                    f"{r[f'cuda_fp8_over_bf16_{op}']:9.2f}" if f"cuda_fp8_{op}_us" in r
+                    else f"{'-':>8s} {'-':>6s} {'-':>9s}")
             bitwise = f"{r[f'cuda_{op}_bitwise_share']:7.4f}" if f"cuda_{op}_bitwise_share" in r else f"{'-':>7s}"
             lines.append(f"{proj + ' ' + op:16s} {r[f'bf16_{op}_us']:8.0f} {r[f'fp8_{op}_us']:8.0f} "
                          f"{r[f'fp8_{op}_tflops']:6.0f} {cuda} {r[f'{op}_rel_err']:8.1e} {bitwise}  {r[f'{op}_tile']}")
@@ -311,10 +377,24 @@ def expert_lines(results: dict) -> list[str]:
 
 
 def table(results: dict) -> str:
-    """Every tile's time, the casts (Triton vs torch), the GEMMs (BF16 vs FP8, autotuned tile) and,
-    last, the whole expert MLP."""
-    header = [f"{results['device']}, torch {results['torch']}, triton {results['triton']}"]
-    return "\n".join(header + tile_lines(results) + cast_lines(results) + gemm_lines(results) + expert_lines(results))
+    """With our shapes: every tile's time, the casts (Triton vs torch), the GEMMs (BF16 vs FP8, autotuned
+    tile) and the whole expert MLP; then the profile, one line per shape x op x implementation."""
+    lines = [f"{results['device']}, torch {results['torch']}, triton {results['triton']}"]
+    if "experts" in results:
+        lines += tile_lines(results) + cast_lines(results) + gemm_lines(results) + expert_lines(results)
+    return "\n".join(lines + [profile_table(results["kernels"], results["not_run"])])
+
+
+def clock_sampler() -> ClockSampler:
+    """`nvidia-smi` sampling the current GPU, found by its UUID (else its index), or a sampler that
+    reports why there is none."""
+    index = torch.cuda.current_device()
+    uuid = getattr(torch.cuda.get_device_properties(index), "uuid", None)
+    gpu, reason = find_gpu(gpu_id_candidates(str(uuid) if uuid else None, index,
+                                             os.environ.get("CUDA_VISIBLE_DEVICES")))
+    if gpu is None:
+        print(f"no clock or power samples: {reason}")
+    return ClockSampler(gpu, reason)
 
 
 def main() -> None:
@@ -323,12 +403,35 @@ def main() -> None:
     parser.add_argument("--rows", type=int, default=32768)
     parser.add_argument("--out", default=None, help="also write the JSON here")
     parser.add_argument("--profile", action="store_true", help="print the FP8 expert step's kernels by GPU time")
+    parser.add_argument("--shapes", default="ours,deepgemm",
+                        help="comma list: ours (DeepSeek-V3 experts: forward, dgrad, wgrad, the MLP), deepgemm "
+                             "(DeepGEMM's 4 x 8192-row shapes, forward)")
+    parser.add_argument("--sample-seconds", type=float, default=1.0,
+                        help="the least time each profiled GEMM runs, with the clock and power sampled meanwhile")
     args = parser.parse_args()
+    try:
+        shapes = parse_shape_sets(args.shapes)
+    except ValueError as error:
+        parser.error(str(error))
+    if args.sample_seconds < 0:
+        parser.error(f"--sample-seconds: expected a number >= 0, got {args.sample_seconds}")
     results = {"device": torch.cuda.get_device_name(), "torch": torch.__version__, "triton": triton.__version__}
-    for seed, (proj, (depth, width)) in enumerate(PROJECTIONS.items()):
-        results[proj] = bench_projection(args.experts, args.rows, depth, width, seed=seed)
-        torch.cuda.empty_cache()
-    results["experts"] = bench_experts(args.experts, args.rows, args.profile)
+    with clock_sampler() as sampler:
+        timer = KernelTimer(sampler, args.sample_seconds)
+        results["clock_sampler"] = {"gpu": sampler.gpu, "reason": sampler.reason, "sample_seconds": args.sample_seconds}
+        for shape_set in shapes:
+            if shape_set == "ours":
+                for seed, (proj, (depth, width)) in enumerate(PROJECTIONS.items()):
+                    results[proj] = bench_projection(timer, args.experts, args.rows, depth, width, seed, proj)
+                    torch.cuda.empty_cache()
+            else:
+                results["deepgemm"] = {}
+                for name, (depth, width) in DEEPGEMM_SHAPES.items():
+                    results["deepgemm"][name] = bench_deepgemm_shape(timer, name, depth, width)
+                    torch.cuda.empty_cache()
+        if "ours" in shapes:
+            results["experts"] = bench_experts(args.experts, args.rows, args.profile)
+    results["kernels"], results["not_run"] = timer.rows, timer.skipped
     text = json.dumps(results, indent=2)
     print(text)
     if args.out:

@@ -60,6 +60,17 @@ def local_median_us(fn: Callable[[], object], warmup: int = 5, iters: int = 20,
     return statistics.median(times)
 
 
+def sustained_median_us(fn: Callable[[], object], seconds: float, iters: int = 20) -> float:
+    """Median GPU time of `fn` (already warmed up) in microseconds over at least `iters` runs and at
+    least `seconds` of wall clock: long enough for the clock and power a kernel settles at to show,
+    and for a sampler (e.g. `nvidia-smi -lms 100`) to see it."""
+    times: list[float] = []
+    start = time.perf_counter()
+    while len(times) < iters or time.perf_counter() - start < seconds:
+        times.append(_elapsed_us(fn))
+    return statistics.median(times)
+
+
 def _in_step() -> None:
     if torch.cuda.is_available():
         torch.cuda.synchronize()

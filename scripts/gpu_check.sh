@@ -15,7 +15,8 @@
 #     whole-program module with the relocatable one, "nvshmem_puts" times the put path of peers without
 #     P2P; LL_ARGS: e.g. --tokens 128 1); layer: the MoE
 #     layer benchmark (LAYER_TIMEOUT, LAYER_ARGS: e.g. --profile-experts); fp8gemm: the FP8 grouped GEMMs (CUDA and Triton) against BF16 on
-#     one GPU (FP8GEMM_TIMEOUT, FP8GEMM_ARGS: e.g. --profile);
+#     one GPU, with the SM clock and power sampled during each GEMM, at our shapes and DeepGEMM's, beside
+#     torch._scaled_grouped_mm row-wise (FP8GEMM_TIMEOUT, FP8GEMM_ARGS: e.g. --profile, --shapes deepgemm);
 #     probe: benchmarks/nvlink_probe.cu (row copies between GPUs at once: push vs pull, and the dispatch's
 #     fan-out with tail publishing; no torch; PROBE_ARGS: rows row_bytes gpus, default 11000 14336 2);
 #     overhead: benchmarks/bench_overhead.py, whole calls with the ranks of worlds OVERHEAD_WORLDS (default
