@@ -35,7 +35,7 @@ from ..topology import NodeTopology
 from ..validation import PeerInputError
 from .base import CommBackend, DispatchResult, LowLatencyDispatchResult, RecvHook
 from .cuda_low_latency import init_nvshmem, low_latency_available, nvshmem_module
-from .hierarchical import InternodePath
+from .hierarchical import GatheredRows, InternodePath
 from .torch_backend import TorchBackend
 
 
@@ -106,9 +106,10 @@ class NvshmemLegs:
     def node(self, rows: torch.Tensor, send_counts: list[int], recv_counts: list[int], config: Config) -> torch.Tensor:
         return self._leg(self._node, rows, send_counts, recv_counts, config)
 
-    def gather_rows(self, row: torch.Tensor) -> torch.Tensor:
-        """Every rank's int64 `row [n]` as `[R, n]` in rank order, on the device: the row to every rail
-        member (network), then the rail's rows to every node member (NVLink), then one wait for the device.
+    def gather_rows(self, row: torch.Tensor) -> GatheredRows:
+        """Every rank's int64 `row [n]` as `[R, n]` in rank order, on the device and on the CPU: the row to
+        every rail member (network), then the rail's rows to every node member (NVLink), then one copy to
+        the host, which waits for both.
 
         The gather's rings have one channel and one chunk per stream, whatever the call's `Config`, so
         ranks whose rows differ in size (another `num_experts` or `num_sms`) still meet in the same flags;
@@ -131,16 +132,16 @@ class NvshmemLegs:
         gathered = rail if size == 1 else self._run(self._node, rail.repeat(size, 1), [num_nodes] * size,
                                                     [num_nodes] * size, node_geometry)
         table = gathered.view(size, num_nodes, -1).transpose(0, 1).reshape(topo.num_ranks, -1).view(torch.int64)
-        stamps = table[:, :_STAMP_WORDS].cpu()  # waits for both exchanges
+        host = table.cpu()  # waits for both exchanges: the one copy the path's host side reads
         self.runtime.check_usable()
         expected = torch.tensor([[_ROW_STAMP, self._gathers, r] for r in range(topo.num_ranks)], dtype=torch.int64)
-        garbled = (stamps != expected).any(1).nonzero().flatten().tolist()
+        garbled = (host[:, :_STAMP_WORDS] != expected).any(1).nonzero().flatten().tolist()
         if garbled:
             raise PeerInputError(
                 f"count exchange: the rows of rank(s) {garbled} are not of this rank's size ({n} values): the ranks "
                 f"disagree on a setting that sizes the counts (num_experts or config.num_sms of a dispatch), or a "
                 f"rank called another operation")
-        return table[:, _STAMP_WORDS:words]
+        return GatheredRows(table[:, _STAMP_WORDS:words], host[:, _STAMP_WORDS:words])
 
     def agree_started(self) -> None:
         """Nothing: no host exchange on the CUDA backend (a cached dispatch or a combine compares no settings)."""

@@ -79,6 +79,14 @@ def _exchange(rows: torch.Tensor, send_counts: list[int], recv_counts: list[int]
     return recv
 
 
+class GatheredRows(NamedTuple):
+    """A count exchange's table `[R, n]` int64, where the path needs it: on the rows' device (outputs,
+    handle) and on the CPU (sizes, checks), each copied once."""
+
+    device: torch.Tensor
+    host: torch.Tensor
+
+
 class Legs(Protocol):
     """How the two legs move rows (`[N, row_bytes]` uint8, grouped by destination member in team order),
     and how the ranks exchange their counts and agree on an operation.
@@ -101,8 +109,8 @@ class Legs(Protocol):
     def node(self, rows: torch.Tensor, send_counts: list[int], recv_counts: list[int], config: Config) -> torch.Tensor:
         ...
 
-    def gather_rows(self, row: torch.Tensor) -> torch.Tensor:
-        """Every rank's int64 `row [n]` as `[R, n]` in rank order, on `row`'s device."""
+    def gather_rows(self, row: torch.Tensor) -> GatheredRows:
+        """Every rank's int64 `row [n]` as `[R, n]` in rank order, on `row`'s device and on the CPU."""
         ...
 
     def agree_started(self) -> None:
@@ -129,8 +137,9 @@ class TorchLegs:
     def node(self, rows: torch.Tensor, send_counts: list[int], recv_counts: list[int], config: Config) -> torch.Tensor:
         return _exchange(rows, send_counts, recv_counts, self.groups.node)
 
-    def gather_rows(self, row: torch.Tensor) -> torch.Tensor:
-        return self.backend._all_gather_rows(row)
+    def gather_rows(self, row: torch.Tensor) -> GatheredRows:
+        host = self.backend._gather_counts(row)  # the store hands the rows to the host
+        return GatheredRows(host.to(row.device), host)
 
     def agree_started(self) -> None:
         self.backend.agree_started()
@@ -252,8 +261,7 @@ class InternodePath:
             rdma_channel_prefix.to(device=device, dtype=torch.int64).reshape(-1),
             torch.tensor([num_worst_tokens, *agreed.values()], dtype=torch.int64, device=device),
         ])
-        table = self.legs.gather_rows(header)
-        host = table.cpu()  # one copy for every count the host needs (sizes, checks)
+        table, host = self.legs.gather_rows(header)
         rank_columns = num_ranks + num_experts
         rdma_columns = rank_columns + num_ranks * num_channels
         worst_column = rdma_columns + num_nodes * num_channels
