@@ -13,7 +13,7 @@ import importlib.util
 import os
 import sys
 from dataclasses import asdict, dataclass, replace
-from typing import Optional
+from typing import Callable, Optional
 
 import pytest
 import torch
@@ -261,6 +261,20 @@ def test_pressure_same_seed_same_hash(nccl_pool, shared_gpu_pool, placement: str
         assert len(set(digests)) == 1, "outputs differ between identical runs"
 
 
+def _replay_equals_eager(calls: Callable[[], object]) -> object:
+    """Run `calls` eagerly, then captured in a CUDA graph and replayed: the replay's outputs must have the
+    eager ones' bits. Returns the eager outputs."""
+    eager = calls()
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph, capture_error_mode="thread_local"):
+        captured = calls()
+    graph.replay()
+    torch.cuda.synchronize()
+    assert_same_bits(captured, eager, "graph replay")
+    return eager
+
+
 def _graph_captured_dispatch(rank: int, world: int) -> None:
     """With num_worst_tokens the call only enqueues work: a host wait for the counts could not end
     while capturing (nothing runs), so capture would fail."""
@@ -276,14 +290,7 @@ def _graph_captured_dispatch(rank: int, world: int) -> None:
         return backend.dispatch(DispatchRequest(x, None, topk_idx, topk_weights, per_rank, in_rank, per_expert, 1,
                                                 num_worst, config))
 
-    eager = dispatch()
-    torch.cuda.synchronize()
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph, capture_error_mode="thread_local"):
-        captured = dispatch()
-    graph.replay()
-    torch.cuda.synchronize()
-    assert_same_bits(captured, eager, "graph replay")
+    _replay_equals_eager(dispatch)
 
 
 def test_num_worst_tokens_dispatch_captures_in_cuda_graph(gpu_pool) -> None:
@@ -308,14 +315,7 @@ def _graph_captured_buffer_calls(rank: int, world: int) -> None:
         combined, combined_w, _ = cuda_buf.combine(recv_x, handle, topk_weights=recv_w, config=config)
         return recv_x, recv_idx, recv_w, cached, combined, combined_w
 
-    eager = calls()
-    torch.cuda.synchronize()
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph, capture_error_mode="thread_local"):
-        captured = calls()
-    graph.replay()
-    torch.cuda.synchronize()
-    assert_same_bits(captured, eager, "graph replay")
+    eager = _replay_equals_eager(calls)
     assert bool((eager[1] >= 0).any()), "no token was routed here: the case moves nothing"
 
 
