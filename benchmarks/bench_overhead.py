@@ -14,7 +14,9 @@ the data's (layout, notify, ring preparation, padding, memsets). Per operation:
     GPU work ended.
 Operations: get_dispatch_layout; dispatch BF16 and FP8, each uncached (the host waits for the counts),
 uncached with num_worst_tokens (it does not) and cached (the handle passed); combine BF16;
-low-latency dispatch (FP8) and combine, paced by the host (no hook). Printed as one table, saved
+low-latency dispatch (FP8) and combine, paced by the host (no hook). First, plain torch calls timed
+the same way (one launch; an allocation and a memset; an event record and a stream wait) tell how fast
+this machine's host is, since host times move by up to 2x between machines of one kind. Printed as one table, saved
 as JSON under --out. With --host-profile, rank 0 also runs each operation under cProfile and lists
 the functions (Python and the C++ bindings) that take its host time: where the microseconds go. Value checks are off (MOE_EP_CHECK_VALUES=0), as DeepEP has none.
 
@@ -104,6 +106,23 @@ class Workload:
         assert self.low_latency is not None and self.ll_handle is not None
         return self.low_latency.low_latency_combine(self.ll_expert_out, self.ll_topk_idx, self.ll_topk_weights,
                                                     self.ll_handle)
+
+    def reference_ops(self) -> list[Op]:
+        """Plain torch calls timed the same way: what this machine's host takes for one launch, one
+        allocation plus a launch, and one event record plus a wait, so that the Buffer calls' host times
+        read against the machine they ran on (host speed differs a lot between machines)."""
+        w = self
+        small = torch.zeros(256, device=w.x.device)
+        event = torch.cuda.Event() if w.x.is_cuda else None
+
+        def record_and_wait() -> None:
+            if event is not None:
+                event.record()
+                torch.cuda.current_stream().wait_event(event)
+
+        return [("torch add_", lambda: small.add_(1), None),
+                ("torch zeros", lambda: torch.zeros(w.topk_idx.size(0), w.world, device=w.x.device), None),
+                ("torch event+wait", record_and_wait, None)]
 
     def ops(self) -> list[Op]:
         w = self
@@ -222,7 +241,7 @@ def _measure_world(rank: int, world: int, port: int, args: argparse.Namespace) -
     work = Workload(rank, world, args, device)
     timer = Timer(args, cuda)
     mine = {}
-    for name, fn, before in work.ops():
+    for name, fn, before in work.reference_ops() + work.ops():
         mine[name] = timer.measure(fn, before, host_profile=args.host_profile)  # on every rank: calls in step
     every: list[Optional[dict]] = [None] * world
     dist.all_gather_object(every, {name: r["host_us"]["median"] for name, r in mine.items()} |

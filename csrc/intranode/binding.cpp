@@ -134,9 +134,13 @@ std::tuple<Tensor, Tensor, Tensor> get_dispatch_layout(const Tensor& topk_idx, i
     TORCH_CHECK(topk_idx.is_cuda() && topk_idx.scalar_type() == at::kLong && topk_idx.is_contiguous());
     const auto opts = topk_idx.options();
     const int64_t num_tokens = topk_idx.size(0);
-    // Both counts in one allocation, zeroed at once: per rank, then per expert.
-    Tensor counts = at::empty({num_ranks + num_experts}, opts.dtype(at::kInt));
-    Tensor in_rank = at::empty({num_tokens, num_ranks}, opts.dtype(at::kBool));
+    // One allocation for all three outputs (an allocation costs as much host time as a launch): the
+    // counts per rank, then per expert (zeroed at once), then the token-to-rank mask.
+    const int64_t count_bytes = sizeof(int) * (num_ranks + num_experts);
+    Tensor bytes = at::empty({count_bytes + num_tokens * num_ranks}, opts.dtype(at::kByte));
+    Tensor counts = bytes.narrow(0, 0, count_bytes).view(at::kInt);
+    Tensor in_rank =
+        bytes.narrow(0, count_bytes, num_tokens * num_ranks).view(at::kBool).view({num_tokens, num_ranks});
     launch_check(kernels::launch_dispatch_layout(topk_idx.data_ptr<int64_t>(), num_tokens, topk_idx.size(1),
                                                  num_experts, num_ranks, in_rank.data_ptr<bool>(),
                                                  counts.data_ptr<int>(), c10::cuda::getCurrentCUDAStream()),

@@ -17,7 +17,7 @@ from .constants import NUM_MAX_NVL_PEERS
 from .event import EventOverlap, capture_event
 from .handles import DispatchHandle, LowLatencyHandle
 from .requests import DispatchRequest, Request
-from .streams import CommStreams, StreamScope
+from .streams import CommStreams, CallScope, open_scope
 from .topology import (NodeTopology, check_num_tokens_per_rdma_rank, requested_num_ranks_per_node,
                        resolve_node_topology)
 
@@ -322,8 +322,8 @@ class Buffer:
         return backend, request
 
     def _scope(self, device: torch.device, previous_event: Optional[EventOverlap], async_finish: bool,
-               allocate_on_comm_stream: bool) -> StreamScope:
-        return StreamScope(self._streams, device, previous_event, async_finish, allocate_on_comm_stream)
+               allocate_on_comm_stream: bool) -> CallScope:
+        return open_scope(self._streams, device, previous_event, async_finish, allocate_on_comm_stream)
 
     def _require_low_latency(self, op: str) -> None:
         if not self.low_latency_mode:

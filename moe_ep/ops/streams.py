@@ -1,37 +1,80 @@
-"""Running communication on a side stream with DeepEP's event semantics."""
+"""Where a Buffer call's work runs, with DeepEP's event semantics.
+
+A synchronous call (no `previous_event`, no `async_finish`) runs on the caller's current stream: its
+outputs are ready in that stream's order with no event, no stream switch and no `record_stream`. An
+asynchronous call runs on the Buffer's comm stream after `previous_event` (or the current stream) and
+returns an event. Either way, one Buffer's operations must not overlap (they share its buffers), so
+every call first orders its stream after the stream the Buffer's latest operation ran on; when that is
+the same stream (the usual case: all calls synchronous on one stream, or all asynchronous), stream
+order already does it and nothing is recorded.
+"""
 
 from __future__ import annotations
 
 import contextlib
-from typing import ContextManager, NamedTuple, Optional, Sequence
+from typing import ContextManager, Optional, Sequence
 
 import torch
 
 from .event import EventOverlap
 
 
-class DeviceStreams(NamedTuple):
-    """A device's communication stream and the two events that order it against the caller's stream in a
-    synchronous call. The events are recorded again by every call: a stream's wait takes the record made
-    before it, so reusing them saves creating two events per call (which costs more than the launches)."""
+class DeviceOrder:
+    """One device's comm stream, and the stream the Buffer's latest operation on it ran on."""
 
-    comm: torch.cuda.Stream
-    enter: torch.cuda.Event  # the caller's stream, up to the call: the comm stream waits for it
-    leave: torch.cuda.Event  # the comm stream, up to the call's end: the caller's stream waits for it
+    def __init__(self, index: int) -> None:
+        self.index = index
+        self.comm = torch.cuda.Stream(device=index)
+        self._comm_key = _key(self.comm)
+        # Recorded again by every use (a wait takes the record made before it): creating events per call
+        # costs more than the launches.
+        self.enter = torch.cuda.Event()  # an asynchronous call's current stream, for the comm stream
+        self._handoff = torch.cuda.Event()  # the latest operation's stream, at a change of stream
+        self._last: Optional[torch.cuda.Stream] = None
+        self._last_key: Optional[tuple[int, int, int]] = None
+
+    def take_current(self) -> None:
+        """A synchronous call: order the current stream after the latest operation."""
+        # The stream's identity without building a Stream object, which costs more than the rest of the
+        # check; the object is built only when the stream changes.
+        key = torch._C._cuda_getCurrentStream(self.index)
+        if key != self._last_key:
+            self._switch(key, torch.cuda.Stream(stream_id=key[0], device_index=key[1], device_type=key[2]), None)
+
+    def take_comm(self, ordered_after: Optional[torch.cuda.Stream]) -> None:
+        """An asynchronous call: order the comm stream after the latest operation, unless that ran on
+        `ordered_after`, a stream the comm stream already waits for."""
+        if self._last_key != self._comm_key:
+            self._switch(self._comm_key, self.comm, ordered_after)
+
+    def _switch(self, key: tuple[int, int, int], stream: torch.cuda.Stream,
+                ordered_after: Optional[torch.cuda.Stream]) -> None:
+        """`stream` waits for all work queued so far on the latest operation's stream and becomes the latest.
+        While the current stream is captured into a CUDA graph nothing waits for work recorded outside
+        the capture (CUDA forbids it; whoever replays the graph orders its replays)."""
+        last, self._last, self._last_key = self._last, stream, key
+        if last is None or last == ordered_after or torch.cuda.is_current_stream_capturing():
+            return
+        self._handoff.record(last)
+        stream.wait_event(self._handoff)
+
+
+def _key(stream: torch.cuda.Stream) -> tuple[int, int, int]:
+    return (stream.stream_id, stream.device_index, stream.device_type)
 
 
 class CommStreams:
-    """One communication stream per CUDA device, created on first use."""
+    """The per-device `DeviceOrder` of one Buffer, created on first use."""
 
     def __init__(self) -> None:
-        self._streams: dict[int, DeviceStreams] = {}
+        self._devices: dict[int, DeviceOrder] = {}
 
-    def of(self, device: torch.device) -> DeviceStreams:
+    def of(self, device: torch.device) -> DeviceOrder:
         index = device.index if device.index is not None else torch.cuda.current_device()
-        if index not in self._streams:
-            self._streams[index] = DeviceStreams(torch.cuda.Stream(device=index), torch.cuda.Event(),
-                                                 torch.cuda.Event())
-        return self._streams[index]
+        order = self._devices.get(index)
+        if order is None:
+            order = self._devices[index] = DeviceOrder(index)
+        return order
 
     def get(self, device: torch.device) -> torch.cuda.Stream:
         return self.of(device).comm
@@ -51,57 +94,46 @@ class _OnStream:
         torch.cuda.set_stream(self.back_to)
 
 
-class StreamScope:
-    """Where one Buffer call's work runs, with DeepEP's event semantics.
-
-    Work inside `run` goes to the comm stream after `previous_event` (or the current stream), every
-    call's: the one comm stream keeps the Buffer's operations in order, whatever events a caller passes
-    (running a synchronous call on the current stream instead would let a later call that waits only
-    for an older event overlap it, two kernels in the same buffer).
-
-    `finish(inputs, outputs)` records the completion event, keeps inputs and outputs alive for the
-    stream that uses them, and makes the current stream wait unless `async_finish`.
-    """
-
-    def __init__(
-        self,
-        streams: CommStreams,
-        device: torch.device,
-        previous_event: Optional[EventOverlap],
-        async_finish: bool,
-        allocate_on_comm_stream: bool,
-    ) -> None:
-        if allocate_on_comm_stream and (previous_event is None or not async_finish):
-            raise ValueError("allocate_on_comm_stream: requires previous_event and async_finish=True")
-        self.async_finish = async_finish
-        self.allocate_on_comm_stream = allocate_on_comm_stream
-        waits = previous_event is not None and previous_event.event is not None
-        self.on_comm_stream = device.type == "cuda"
-        if self.on_comm_stream:
-            self.compute = torch.cuda.current_stream(device)
-            own = streams.of(device)
-            self.comm, self._leave = own.comm, own.leave
-            if waits:
-                self.comm.wait_event(previous_event.event)
-            else:
-                own.enter.record(self.compute)
-                self.comm.wait_event(own.enter)
+class CallScope:
+    """Where one call's work runs. This one, a synchronous call's: where the caller is, its outputs ready
+    in that stream's order."""
 
     def run(self) -> ContextManager[object]:
-        """The context the call's work runs in: the comm stream, or where the caller is."""
-        return _OnStream(self.comm, self.compute) if self.on_comm_stream else contextlib.nullcontext()
+        return _NOTHING
 
     def finish(self, inputs: Sequence[object], outputs: Sequence[object]) -> EventOverlap:
-        if not self.on_comm_stream:
-            return EventOverlap()
-        if not self.async_finish:
-            self._leave.record(self.comm)
-            # Nothing queued on the current stream from now on runs before the comm stream's work, so
-            # the inputs need no record; the outputs, allocated on the comm stream, are used here.
-            for tensor in _tensors(outputs):
-                tensor.record_stream(self.compute)
-            self.compute.wait_event(self._leave)
-            return EventOverlap()
+        return EventOverlap()
+
+
+_NOTHING = contextlib.nullcontext()
+SYNCHRONOUS = CallScope()
+
+
+class OnCommStream(CallScope):
+    """A call on the comm stream, after `previous_event` or the current stream.
+
+    `finish(inputs, outputs)` returns the call's event, keeps the inputs alive for the comm stream and
+    the outputs for the current one (unless they belong to the comm stream), and makes the current stream
+    wait unless `async_finish`."""
+
+    def __init__(self, order: DeviceOrder, device: torch.device, previous_event: Optional[EventOverlap],
+                 async_finish: bool, allocate_on_comm_stream: bool) -> None:
+        self.async_finish = async_finish
+        self.allocate_on_comm_stream = allocate_on_comm_stream
+        self.compute = torch.cuda.current_stream(device)
+        self.comm = order.comm
+        if previous_event is not None and previous_event.event is not None:
+            self.comm.wait_event(previous_event.event)
+            order.take_comm(None)
+        else:
+            order.enter.record(self.compute)
+            self.comm.wait_event(order.enter)
+            order.take_comm(self.compute)
+
+    def run(self) -> ContextManager[object]:
+        return _OnStream(self.comm, self.compute)
+
+    def finish(self, inputs: Sequence[object], outputs: Sequence[object]) -> EventOverlap:
         event = torch.cuda.Event()  # the caller holds it: one of its own
         event.record(self.comm)
         for tensor in _tensors(inputs):
@@ -109,7 +141,24 @@ class StreamScope:
         if not self.allocate_on_comm_stream:
             for tensor in _tensors(outputs):
                 tensor.record_stream(self.compute)
+        if not self.async_finish:
+            self.compute.wait_event(event)
         return EventOverlap(event, tuple(_tensors(inputs)) + tuple(_tensors(outputs)))
+
+
+def open_scope(streams: CommStreams, device: torch.device, previous_event: Optional[EventOverlap],
+               async_finish: bool, allocate_on_comm_stream: bool) -> CallScope:
+    """Where one Buffer call's work runs (see the module docstring): `run()` is the context the work runs
+    in, `finish(inputs, outputs)` returns the call's event."""
+    if allocate_on_comm_stream and (previous_event is None or not async_finish):
+        raise ValueError("allocate_on_comm_stream: requires previous_event and async_finish=True")
+    if device.type != "cuda":
+        return SYNCHRONOUS
+    order = streams.of(device)
+    if async_finish or (previous_event is not None and previous_event.event is not None):
+        return OnCommStream(order, device, previous_event, async_finish, allocate_on_comm_stream)
+    order.take_current()
+    return SYNCHRONOUS
 
 
 def _tensors(items: Sequence[object]) -> list[torch.Tensor]:

@@ -231,6 +231,43 @@ def test_combine_falls_back_to_rings_when_staging_does_not_fit(nccl_pool, shared
                                                                   small_buffer_bytes=1 << 19)
 
 
+def _calls_on_changing_streams(rank: int, world: int) -> None:
+    """Synchronous calls run on the caller's stream; one Buffer's calls must still never overlap. Each call
+    here runs on another stream than the one before, after a GPU sleep on its own stream, and the caller
+    orders nothing between them: a call that did not wait for the previous one's stream would start
+    first (reading a handle not yet written, or two kernels in one buffer)."""
+    c = Case("stream_hops", hidden=1024)
+    torch_buf, cuda_buf = _buffers(dist.group.WORLD)
+    x, topk_idx, topk_weights, num_experts = _inputs(c, rank, world, 31)
+    expected = _round_trip(torch_buf, c, x, topk_idx, topk_weights, num_experts, 0, None, rank)
+    per_rank, _, per_expert, in_rank, _ = cuda_buf.get_dispatch_layout(topk_idx, num_experts)
+    config = moe_ep.Config(c.config[0], c.config[1], c.config[2], 6, 128)
+    streams = [torch.cuda.Stream(), torch.cuda.Stream()]
+    for stream in streams:
+        stream.wait_stream(torch.cuda.current_stream())
+    sleep_cycles = 50_000_000  # tens of milliseconds: far longer than the host takes to queue the next call
+    with torch.cuda.stream(streams[0]):
+        torch.cuda._sleep(sleep_cycles)
+        recv_x, recv_idx, recv_w, counts, handle, _ = cuda_buf.dispatch(
+            x, num_tokens_per_rank=per_rank, is_token_in_rank=in_rank, num_tokens_per_expert=per_expert,
+            topk_idx=topk_idx, topk_weights=topk_weights, config=config)
+    with torch.cuda.stream(streams[1]):
+        torch.cuda._sleep(sleep_cycles // 10)
+        cached = cuda_buf.dispatch(x, handle=handle, config=config)[0]
+    with torch.cuda.stream(streams[0]):
+        torch.cuda._sleep(sleep_cycles // 10)
+        combined, combined_w, _ = cuda_buf.combine(expert_output(recv_x, rank), handle, topk_weights=recv_w,
+                                                   config=config)
+    torch.cuda.synchronize()
+    assert_same_bits([recv_x, recv_idx, recv_w, counts], list(expected["dispatch"][:4]), "dispatch")
+    assert_same_bits(cached, recv_x, "cached dispatch")
+    assert_same_bits([combined, combined_w], list(expected["combine_torch"]), "combine")
+
+
+def test_calls_on_changing_streams_stay_ordered(gpu_pool) -> None:
+    gpu_pool(2).run(_calls_on_changing_streams, timeout=120)
+
+
 def _hashes(rank: int, world: int, repeats: int) -> list[str]:
     c = Case("pressure", tokens=(1024, 1024, 1024, 1024), hidden=4096, config=(24, 6, 128))
     _, cuda_buf = _buffers(dist.group.WORLD)
