@@ -1,6 +1,6 @@
 // Host-side launch settings that are fixed per device or per (kernel, device), read or set once per process:
 // on a busy host every CUDA runtime call costs microseconds, and these would otherwise be paid on every
-// launch of the normal-mode kernels. Torch-free (compiled with the kernels).
+// launch of the normal-mode and FP8 GEMM kernels. Torch-free (compiled with the kernels).
 #pragma once
 
 #include <cuda_runtime.h>
@@ -11,21 +11,28 @@
 
 namespace moe_ep::kernels {
 
-// The opt-in dynamic shared memory per block of the current device (0 when it cannot be read).
-inline int shared_memory_optin() {
+// An attribute of the current device, read once per (attribute, device); 0 when it cannot be read.
+inline int device_attribute(cudaDeviceAttr attribute) {
     static std::mutex mutex;
-    static std::map<int, int> per_device;
+    static std::map<std::pair<int, int>, int> per_device;
     int device = 0;
     if (cudaGetDevice(&device) != cudaSuccess) return 0;
     const std::lock_guard<std::mutex> lock(mutex);
-    auto it = per_device.find(device);
+    const std::pair<int, int> key{static_cast<int>(attribute), device};
+    auto it = per_device.find(key);
     if (it == per_device.end()) {
-        int optin = 0;
-        if (cudaDeviceGetAttribute(&optin, cudaDevAttrMaxSharedMemoryPerBlockOptin, device) != cudaSuccess) return 0;
-        it = per_device.emplace(device, optin).first;
+        int value = 0;
+        if (cudaDeviceGetAttribute(&value, attribute, device) != cudaSuccess) return 0;
+        it = per_device.emplace(key, value).first;
     }
     return it->second;
 }
+
+// The opt-in dynamic shared memory per block of the current device (0 when it cannot be read).
+inline int shared_memory_optin() { return device_attribute(cudaDevAttrMaxSharedMemoryPerBlockOptin); }
+
+// The streaming multiprocessors of the current device (0 when they cannot be read).
+inline int multiprocessor_count() { return device_attribute(cudaDevAttrMultiProcessorCount); }
 
 // Allow `kernel` `bytes` of dynamic shared memory on the current device. The attribute is a ceiling, so
 // raising it once to the largest size asked so far serves every smaller launch after it.
