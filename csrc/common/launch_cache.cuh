@@ -11,28 +11,21 @@
 
 namespace moe_ep::kernels {
 
-// An attribute of the current device, read once per (attribute, device); 0 when it cannot be read.
-inline int device_attribute(cudaDeviceAttr attribute) {
+// The opt-in dynamic shared memory per block of the current device (0 when it cannot be read).
+inline int shared_memory_optin() {
     static std::mutex mutex;
-    static std::map<std::pair<int, int>, int> per_device;
+    static std::map<int, int> per_device;
     int device = 0;
     if (cudaGetDevice(&device) != cudaSuccess) return 0;
     const std::lock_guard<std::mutex> lock(mutex);
-    const std::pair<int, int> key{static_cast<int>(attribute), device};
-    auto it = per_device.find(key);
+    auto it = per_device.find(device);
     if (it == per_device.end()) {
-        int value = 0;
-        if (cudaDeviceGetAttribute(&value, attribute, device) != cudaSuccess) return 0;
-        it = per_device.emplace(key, value).first;
+        int optin = 0;
+        if (cudaDeviceGetAttribute(&optin, cudaDevAttrMaxSharedMemoryPerBlockOptin, device) != cudaSuccess) return 0;
+        it = per_device.emplace(device, optin).first;
     }
     return it->second;
 }
-
-// The opt-in dynamic shared memory per block of the current device (0 when it cannot be read).
-inline int shared_memory_optin() { return device_attribute(cudaDevAttrMaxSharedMemoryPerBlockOptin); }
-
-// The streaming multiprocessors of the current device (0 when they cannot be read).
-inline int multiprocessor_count() { return device_attribute(cudaDevAttrMultiProcessorCount); }
 
 // Allow `kernel` `bytes` of dynamic shared memory on the current device. The attribute is a ceiling, so
 // raising it once to the largest size asked so far serves every smaller launch after it.

@@ -8,24 +8,15 @@
 //     out[e] = (a[:, K_e] * a_scales) @ (b[:, K_e] * b_scales)^T, K_e = [ends[e-1], ends[e]).
 // Both are the same tiles and K loop; only where a tile's rows, K range and output come from differs.
 //
-// The kernel is persistent: one block per SM (fewer where there are fewer tiles), block b computing the
-// output tiles b, b + gridDim.x, ... in launch order (column tiles fastest, then row tiles; grouped by
-// depth, experts slowest), so that the blocks working at the same time still share rows of `a` and one
-// expert's weights in L2. One producer thread streams each tile's 128x128-byte K blocks of `a` and `b`
-// through a ring of shared-memory stages with TMA, in the 128-byte swizzled layout wgmma reads. The ring
-// runs on from one tile to the next: the producer loads the next tile while the math warpgroups still
-// sum and store the current one, so neither the pipeline fill nor the epilogue is paid per tile with
-// nothing beside it (a weight-gradient tile has only about 4 K blocks). Two math warpgroups multiply 64
-// rows each: every K block goes into a scratch accumulator, which is then added to the FP32 sums times
-// the block's two scales. The scales change from one K block to the next, so one tensor-core
-// accumulation over all of K is not possible; the warpgroups wait for their own products only, so one's
-// scaling overlaps the other's tensor-core work. Every role locates each of its tiles itself (the roles
-// run under different register budgets and never meet at a block-wide barrier after the start).
+// A block computes one 128x128 output tile. One producer thread streams the tile's 128x128-byte K
+// blocks of `a` and `b` through a ring of shared-memory stages with TMA, in the 128-byte swizzled
+// layout wgmma reads. Two math warpgroups multiply 64 rows each: every K block goes into a scratch
+// accumulator, which is then added to the FP32 sums times the block's two scales. The scales change
+// from one K block to the next, so one tensor-core accumulation over all of K is not possible; the
+// warpgroups wait for their own products only, so one's scaling overlaps the other's tensor-core work.
 #include <cuda.h>
 #include <cuda_bf16.h>
 #include <cudaTypedefs.h>
-
-#include <algorithm>
 
 #include "fp8/api.cuh"
 #include "common/common.cuh"
@@ -38,8 +29,7 @@ namespace {
 // Rows of a block's tile, the K depth of one stage (one scale block), a column block.
 constexpr int kTile = kFp8Block;
 constexpr int kMathWarpgroups = 2;
-constexpr int kMathThreads = 128 * kMathWarpgroups;
-constexpr int kThreads = kMathThreads + 128;  // the math warpgroups, then the producer's
+constexpr int kThreads = 128 * (kMathWarpgroups + 1);
 constexpr int kSmemStages = 4 * 48 * 1024;  // shared memory of the stages: 4 of 128 + 256 rows of 128 bytes
 constexpr int kSwizzleBytes = 1024;      // 128-byte swizzle repeats every 8 rows of 128 bytes
 
@@ -52,6 +42,11 @@ struct alignas(kSwizzleBytes) GemmSmem {
     uint8_t b[kStages][kBlockN * kTile];
     uint64_t full[kStages];   // TMA bytes landed
     uint64_t empty[kStages];  // every math warp done reading
+    int expert;               // num_experts: a tile of zero rows past the last segment
+    int row_begin;
+    int row_end;
+    int k_block_begin;        // the tile's K range, in 128-deep blocks
+    int k_block_end;
 };
 template <int kBlockN>
 constexpr size_t kSmemBytes = sizeof(GemmSmem<kBlockN>) + kSwizzleBytes;  // room to align the base
@@ -65,20 +60,8 @@ constexpr int kProducerRegisters = 40;
 constexpr int kMathRegisters = 232;
 constexpr int kPart = kTile / 2;  // f32 registers per thread of an m64n128 product
 
-// One output tile: where its rows, K range and output come from.
-struct Tile {
-    int expert;         // num_experts: a tile of zero rows past the last segment
-    int b_expert;       // the expert of `b` read: 0 grouped by depth (one `b`) and for a zero tile
-    int col_tile;
-    int row_begin;      // row_begin >= row_end: no tile (past this block's last one)
-    int row_end;
-    int k_block_begin;  // the K range, in 128-deep blocks: empty for a zero tile and an expert without columns
-    int k_block_end;
-};
-
 // The row tile of launch slot `row_slot`, segments tiled one after another, then the zero tail:
-// (expert, first row, end row). One warp; every lane gets the answer. Slots come in row order, so once
-// a slot is past the zero tail (row_begin >= row_end), every later one is too.
+// (expert, first row, end row). One warp; every lane gets the answer.
 MOE_EP_DEVICE void locate_row_tile(const int* ends, int num_experts, int num_rows, int row_slot, int lane,
                                    int& expert, int& row_begin, int& row_end) {
     int tiles_before = 0;
@@ -120,28 +103,6 @@ MOE_EP_DEVICE void locate_depth_tile(const Fp8GroupedGemmArgs& args, int row_slo
     const int k_begin = expert > 0 ? args.ends[expert - 1] : 0;
     k_block_begin = min(max(k_begin, 0), args.depth) / kTile;
     k_block_end = max(min(args.ends[expert], args.depth) / kTile, k_block_begin);
-}
-
-// Tile `tile` of the launch order (column tiles fastest), or no tile from `num_tiles` on. One warp (the
-// row grouping's search is warp-wide); every lane gets the answer.
-template <int kBlockN>
-MOE_EP_DEVICE Tile locate_tile(const Fp8GroupedGemmArgs& args, int num_tiles, int tile, int lane) {
-    Tile t{};
-    if (tile >= num_tiles) return t;
-    const int num_col_tiles = args.n_out / kBlockN;
-    t.col_tile = tile % num_col_tiles;
-    const int row_slot = tile / num_col_tiles;
-    if (args.group_depth) {
-        locate_depth_tile(args, row_slot, t.expert, t.row_begin, t.k_block_begin, t.k_block_end);
-        t.row_end = t.row_begin + kTile;
-    } else {
-        locate_row_tile(args.ends, args.num_experts, args.num_rows, row_slot, lane, t.expert, t.row_begin,
-                        t.row_end);
-        const bool zero_tile = t.expert == args.num_experts;
-        t.b_expert = zero_tile ? 0 : t.expert;
-        t.k_block_end = zero_tile ? 0 : args.depth / kTile;
-    }
-    return t;
 }
 
 MOE_EP_DEVICE void mbar_spin(uint64_t* bar, uint32_t parity) {
@@ -205,93 +166,108 @@ MOE_EP_DEVICE void fence_accumulator(float (&d)[kPart]) {
     for (int i = 0; i < kPart; ++i) asm volatile("" : "+f"(d[i])::"memory");
 }
 
-// The stage ring across tiles. Both roles number the K blocks of this block's tiles 0, 1, 2, ... in the
-// same order (each locates the same tiles, in the same sequence, with the same K ranges; a tile without
-// K blocks advances neither count). K block i lives in stage i % kStages, in that stage's lap
-// i / kStages. full[s] completes its phase n when lap n's TMA bytes have landed, so the math waits on it
-// with parity (i / kStages) & 1. empty[s] completes its phase n when all eight math warps have read lap
-// n, so the producer, before filling lap n >= 1, waits on it with parity (n - 1) & 1. Neither role gets a
-// whole lap ahead of the other (the producer waits for empty, the math for full), so every parity names
-// one phase. The counts restart with the block; mbarrier phases live only as long as it does.
 template <int kBlockN>
-MOE_EP_DEVICE void produce(GemmSmem<kBlockN>& smem, const CUtensorMap* a_map, const CUtensorMap* b_map,
-                           const Fp8GroupedGemmArgs& args, int num_tiles, int lane) {
-    constexpr int kStages = GemmSmem<kBlockN>::kStages;
-    int k_count = 0;  // K blocks loaded so far (lane 0's)
-    for (int tile = blockIdx.x;; tile += gridDim.x) {
-        const Tile t = locate_tile<kBlockN>(args, num_tiles, tile, lane);
-        if (t.row_begin >= t.row_end) break;
-        if (lane == 0) {
-            for (int kb = t.k_block_begin; kb < t.k_block_end; ++kb, ++k_count) {
-                const int stage = k_count % kStages, lap = k_count / kStages;
-                if (lap > 0) mbar_spin(&smem.empty[stage], (lap - 1) & 1);
-                mbar_arrive_expect_tx(&smem.full[stage], (kTile + kBlockN) * kTile);
-                tma_load_2d(smem.a[stage], a_map, &smem.full[stage], kb * kTile, t.row_begin);
-                tma_load_3d(smem.b[stage], b_map, &smem.full[stage], kb * kTile, t.col_tile * kBlockN, t.b_expert);
-            }
-        }
-        __syncwarp();
+MOE_EP_DEVICE void zero_rows(__nv_bfloat16* out, int64_t out_row_stride, int row_begin, int row_end) {
+    constexpr int kVectorsPerRow = kBlockN * sizeof(__nv_bfloat16) / sizeof(int4);
+    for (int i = threadIdx.x; i < (row_end - row_begin) * kVectorsPerRow; i += kThreads) {
+        int4* row = reinterpret_cast<int4*>(out + (row_begin + i / kVectorsPerRow) * out_row_stride);
+        row[i % kVectorsPerRow] = make_int4(0, 0, 0, 0);
     }
 }
-
-// Where a thread's scales of a tile's K blocks are: its two rows of `a` (rows past the end clamped: TMA
-// fills them and they go through the tensor cores, but are never stored) and the tile's column blocks of
-// `b`, all at the tile's first K block.
-struct ScaleRows {
-    const float* a_0;
-    const float* a_1;
-    const float* b;
-};
+#endif
 
 template <int kBlockN>
-MOE_EP_DEVICE ScaleRows scale_rows(const Fp8GroupedGemmArgs& args, const Tile& t, int row_0) {
-    const int64_t k_scale_begin = t.k_block_begin * args.a_scale_k_stride;
-    return {args.a_scales + min(row_0, args.num_rows - 1) * args.a_scale_row_stride + k_scale_begin,
-            args.a_scales + min(row_0 + 8, args.num_rows - 1) * args.a_scale_row_stride + k_scale_begin,
-            args.b_scales + t.b_expert * args.b_scale_expert_stride +
-                t.col_tile * (kBlockN / kTile) * args.b_scale_row_stride + t.k_block_begin * args.b_scale_k_stride};
-}
-
-// The scales of the tile's K block `kb` (counted from its first).
-template <int kColumnBlocks>
-MOE_EP_DEVICE void load_scales(const Fp8GroupedGemmArgs& args, const ScaleRows& at, int kb, float& a_0, float& a_1,
-                               float (&b)[kColumnBlocks]) {
-    a_0 = at.a_0[kb * args.a_scale_k_stride];
-    a_1 = at.a_1[kb * args.a_scale_k_stride];
-#pragma unroll
-    for (int c = 0; c < kColumnBlocks; ++c) b[c] = at.b[c * args.b_scale_row_stride + kb * args.b_scale_k_stride];
-}
-
-// The math warpgroups: every tile's K blocks from the ring, then its BF16 stores. A tile without K
-// blocks (the zero tail, an expert without columns) stores its zero sums.
-template <int kBlockN>
-MOE_EP_DEVICE void compute(GemmSmem<kBlockN>& smem, const Fp8GroupedGemmArgs& args, int num_tiles, int warpgroup,
-                           int warp, int lane) {
-    constexpr int kStages = GemmSmem<kBlockN>::kStages;
+__global__ void __launch_bounds__(kThreads, 1)
+    fp8_grouped_gemm_kernel(const __grid_constant__ CUtensorMap a_map, const __grid_constant__ CUtensorMap b_map,
+                            const Fp8GroupedGemmArgs args) {
+#if defined(__CUDA_ARCH_FEAT_SM90_ALL)
+    using Smem = GemmSmem<kBlockN>;
+    constexpr int kStages = Smem::kStages;
     constexpr int kColumnBlocks = kBlockN / kTile;
     constexpr int kAccum = kColumnBlocks * kPart;
-    // Accumulator layout of m64nN: warp w of the warpgroup holds rows 16w + lane/4 and 8 below; the
-    // register pair 4j, 4j+1 holds columns 8j + 2(lane%4) + {0, 1} of the first, 4j+2, 4j+3 of the
-    // second. acc holds the column blocks one after another.
-    const int tile_row = warpgroup * 64 + warp * 16 + lane / 4;
-    int k_count = 0;  // K blocks consumed so far, counted as the producer counts them
-    int tile = blockIdx.x;
-    Tile t = locate_tile<kBlockN>(args, num_tiles, tile, lane);
-    ScaleRows at = scale_rows<kBlockN>(args, t, t.row_begin + tile_row);
-    // Scales of the tile's first K block (never read past the end: a tile without K blocks reads none).
-    float a_0 = 0.0f, a_1 = 0.0f, b[kColumnBlocks] = {};
-    if (t.k_block_begin < t.k_block_end) load_scales(args, at, 0, a_0, a_1, b);
-    while (t.row_begin < t.row_end) {
+    extern __shared__ uint8_t smem_raw[];
+    const uint32_t misalignment = smem_addr(smem_raw) % kSwizzleBytes;
+    Smem& smem = *reinterpret_cast<Smem*>(smem_raw + (kSwizzleBytes - misalignment) % kSwizzleBytes);
+    const int num_col_tiles = args.n_out / kBlockN;
+    // Column tiles vary fastest: the blocks resident together share rows of `a` and one expert's weight.
+    const int col_tile = blockIdx.x % num_col_tiles;
+    const int row_slot = blockIdx.x / num_col_tiles;
+    const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
+
+    if (warp == 0) {
+        int expert, row_begin, row_end, k_block_begin = 0, k_block_end = args.depth / kTile;
+        if (args.group_depth) {
+            locate_depth_tile(args, row_slot, expert, row_begin, k_block_begin, k_block_end);
+            row_end = row_begin + kTile;
+        } else {
+            locate_row_tile(args.ends, args.num_experts, args.num_rows, row_slot, lane, expert, row_begin, row_end);
+        }
+        if (lane == 0) {
+            smem.expert = expert, smem.row_begin = row_begin, smem.row_end = row_end;
+            smem.k_block_begin = k_block_begin, smem.k_block_end = k_block_end;
+        }
+    } else if (threadIdx.x == 32) {
+        for (int s = 0; s < kStages; ++s) {
+            mbar_init(&smem.full[s], 1);
+            mbar_init(&smem.empty[s], kMathWarpgroups * 4);
+        }
+        asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
+    }
+    __syncthreads();
+    const int expert = smem.expert, row_begin = smem.row_begin, row_end = smem.row_end;
+    const int k_block_begin = smem.k_block_begin, num_k_blocks = smem.k_block_end - smem.k_block_begin;
+    __nv_bfloat16* out = args.out + (args.group_depth ? expert * args.out_expert_stride : 0) + col_tile * kBlockN;
+    if (row_begin >= row_end) return;
+    if (expert == args.num_experts) {
+        zero_rows<kBlockN>(out, args.out_row_stride, row_begin, row_end);
+        return;
+    }
+    // Grouped by depth, every expert reads the one `b`.
+    const int b_expert = args.group_depth ? 0 : expert;
+    const int warpgroup = threadIdx.x / 128;
+
+    if (warpgroup == kMathWarpgroups) {
+        asm volatile("setmaxnreg.dec.sync.aligned.u32 %0;" ::"n"(kProducerRegisters));
+        if (threadIdx.x % 128 == 0) {
+            for (int kb = 0; kb < num_k_blocks; ++kb) {
+                const int stage = kb % kStages;
+                const int k = (k_block_begin + kb) * kTile;
+                if (kb >= kStages) mbar_spin(&smem.empty[stage], (kb / kStages - 1) & 1);
+                mbar_arrive_expect_tx(&smem.full[stage], (kTile + kBlockN) * kTile);
+                tma_load_2d(smem.a[stage], &a_map, &smem.full[stage], k, row_begin);
+                tma_load_3d(smem.b[stage], &b_map, &smem.full[stage], k, col_tile * kBlockN, b_expert);
+            }
+        }
+    } else {
+        asm volatile("setmaxnreg.inc.sync.aligned.u32 %0;" ::"n"(kMathRegisters));
+        // Accumulator layout of m64nN: warp w of the warpgroup holds rows 16w + lane/4 and 8 below; the
+        // register pair 4j, 4j+1 holds columns 8j + 2(lane%4) + {0, 1} of the first, 4j+2, 4j+3 of the
+        // second. acc holds the column blocks one after another.
+        const int row_0 = row_begin + warpgroup * 64 + (warp % 4) * 16 + lane / 4;
+        const int row_1 = row_0 + 8;
+        // Rows past the end still go through the tensor cores (TMA fills them); their scale rows are clamped.
+        const int64_t k_scale_begin = k_block_begin * args.a_scale_k_stride;
+        const float* a_scale_0 =
+            args.a_scales + min(row_0, args.num_rows - 1) * args.a_scale_row_stride + k_scale_begin;
+        const float* a_scale_1 =
+            args.a_scales + min(row_1, args.num_rows - 1) * args.a_scale_row_stride + k_scale_begin;
+        const float* b_scale = args.b_scales + b_expert * args.b_scale_expert_stride +
+                               col_tile * kColumnBlocks * args.b_scale_row_stride +
+                               k_block_begin * args.b_scale_k_stride;
         float acc[kAccum], part[kPart];
 #pragma unroll
         for (int i = 0; i < kAccum; ++i) acc[i] = 0.0f;
-        const int num_k_blocks = t.k_block_end - t.k_block_begin;
-        for (int kb = 0; kb < num_k_blocks; ++kb, ++k_count) {
-            const int stage = k_count % kStages;
-            mbar_spin(&smem.full[stage], (k_count / kStages) & 1);
+        // Scales of the first K block (never read past the end: an expert without K blocks reads none).
+        float a_0 = 0.0f, a_1 = 0.0f, b[kColumnBlocks] = {};
+        if (num_k_blocks > 0) {
+            a_0 = a_scale_0[0], a_1 = a_scale_1[0];
+#pragma unroll
+            for (int c = 0; c < kColumnBlocks; ++c) b[c] = b_scale[c * args.b_scale_row_stride];
+        }
+        for (int kb = 0; kb < num_k_blocks; ++kb) {
+            const int stage = kb % kStages;
+            mbar_spin(&smem.full[stage], (kb / kStages) & 1);
             const uint64_t desc_a = smem_descriptor(smem.a[stage] + warpgroup * 64 * kTile);
-            // One product and one wait per column block: waiting once per K block would hold both
-            // 64 x 128 products (128 registers) beside the 128 sums, past the register budget.
 #pragma unroll
             for (int c = 0; c < kColumnBlocks; ++c) {
                 const uint64_t desc_b = smem_descriptor(smem.b[stage] + c * kTile * kTile);
@@ -306,21 +282,19 @@ MOE_EP_DEVICE void compute(GemmSmem<kBlockN>& smem, const Fp8GroupedGemmArgs& ar
                 fence_accumulator(part);
                 if (c == kColumnBlocks - 1 && lane == 0) mbar_arrive(&smem.empty[stage]);
                 const float scale_0 = a_0 * b[c], scale_1 = a_1 * b[c];
-                // The next K block's scales, loaded while this block's last products are summed.
-                if (c == kColumnBlocks - 1 && kb + 1 < num_k_blocks) load_scales(args, at, kb + 1, a_0, a_1, b);
+                if (c == kColumnBlocks - 1 && kb + 1 < num_k_blocks) {
+                    // The next K block's scales, loaded while this block's last products are summed.
+                    a_0 = a_scale_0[(kb + 1) * args.a_scale_k_stride];
+                    a_1 = a_scale_1[(kb + 1) * args.a_scale_k_stride];
+#pragma unroll
+                    for (int n = 0; n < kColumnBlocks; ++n) {
+                        b[n] = b_scale[n * args.b_scale_row_stride + (kb + 1) * args.b_scale_k_stride];
+                    }
+                }
 #pragma unroll
                 for (int i = 0; i < kPart; ++i) acc[c * kPart + i] += part[i] * (i & 2 ? scale_1 : scale_0);
             }
         }
-
-        // The next tile and its first scales, fetched before this tile's stores so that they overlap.
-        __nv_bfloat16* out =
-            args.out + (args.group_depth ? t.expert * args.out_expert_stride : 0) + t.col_tile * kBlockN;
-        const int row_0 = t.row_begin + tile_row, row_1 = row_0 + 8, row_end = t.row_end;
-        tile += gridDim.x;
-        t = locate_tile<kBlockN>(args, num_tiles, tile, lane);
-        at = scale_rows<kBlockN>(args, t, t.row_begin + tile_row);
-        if (t.k_block_begin < t.k_block_end) load_scales(args, at, 0, a_0, a_1, b);
 
         const int col = 2 * (lane % 4);
 #pragma unroll
@@ -334,35 +308,6 @@ MOE_EP_DEVICE void compute(GemmSmem<kBlockN>& smem, const Fp8GroupedGemmArgs& ar
                     __floats2bfloat162_rn(acc[4 * j + 2], acc[4 * j + 3]);
             }
         }
-    }
-}
-#endif
-
-template <int kBlockN>
-__global__ void __launch_bounds__(kThreads, 1)
-    fp8_grouped_gemm_kernel(const __grid_constant__ CUtensorMap a_map, const __grid_constant__ CUtensorMap b_map,
-                            const Fp8GroupedGemmArgs args, int num_tiles) {
-#if defined(__CUDA_ARCH_FEAT_SM90_ALL)
-    using Smem = GemmSmem<kBlockN>;
-    extern __shared__ uint8_t smem_raw[];
-    const uint32_t misalignment = smem_addr(smem_raw) % kSwizzleBytes;
-    Smem& smem = *reinterpret_cast<Smem*>(smem_raw + (kSwizzleBytes - misalignment) % kSwizzleBytes);
-    const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
-    if (threadIdx.x == 0) {
-        for (int s = 0; s < Smem::kStages; ++s) {
-            mbar_init(&smem.full[s], 1);
-            mbar_init(&smem.empty[s], kMathWarpgroups * 4);
-        }
-        asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
-    }
-    // The one block-wide barrier: past it, setmaxnreg splits the roles for good.
-    __syncthreads();
-    if (threadIdx.x >= kMathThreads) {
-        asm volatile("setmaxnreg.dec.sync.aligned.u32 %0;" ::"n"(kProducerRegisters));
-        if (warp == kMathThreads / 32) produce<kBlockN>(smem, &a_map, &b_map, args, num_tiles, lane);
-    } else {
-        asm volatile("setmaxnreg.inc.sync.aligned.u32 %0;" ::"n"(kMathRegisters));
-        compute<kBlockN>(smem, args, num_tiles, threadIdx.x / 128, warp % 4, lane);
     }
 #endif
 }
@@ -415,20 +360,16 @@ cudaError_t launch_tiles(const Fp8GroupedGemmArgs& args, cudaStream_t stream) {
         !encode_operand_map(&b_map, args.b, 3, b_dims, b_strides, kBlockN)) {
         return cudaErrorInvalidValue;
     }
-    if (const cudaError_t err = allow_dynamic_shared_memory(fp8_grouped_gemm_kernel<kBlockN>, kSmemBytes<kBlockN>);
-        err != cudaSuccess) {
-        return err;
-    }
-    const int sms = multiprocessor_count();
-    if (sms == 0) return cudaErrorInvalidDevice;
+    // Raised once per (kernel, device): the limit belongs to the device's context.
+    const cudaError_t attribute = allow_dynamic_shared_memory(fp8_grouped_gemm_kernel<kBlockN>, kSmemBytes<kBlockN>);
+    if (attribute != cudaSuccess) return attribute;
     // Grouped by rows, every segment wastes at most one partial tile, and the zero tail takes at most
-    // one more (slots past it have no rows and end a block's walk). Grouped by depth, the experts are
-    // slowest, so the blocks working together read one expert's K range, which stays in L2.
+    // one more. Grouped by depth, the experts are slowest, so the blocks resident together read one
+    // expert's K range, which stays in L2.
     const int row_slots = args.group_depth ? args.num_experts * (args.num_rows / kTile)
                                            : (args.num_rows + kTile - 1) / kTile + args.num_experts + 1;
-    const int num_tiles = row_slots * (args.n_out / kBlockN);
-    fp8_grouped_gemm_kernel<kBlockN>
-        <<<std::min(num_tiles, sms), kThreads, kSmemBytes<kBlockN>, stream>>>(a_map, b_map, args, num_tiles);
+    const int blocks = row_slots * (args.n_out / kBlockN);
+    fp8_grouped_gemm_kernel<kBlockN><<<blocks, kThreads, kSmemBytes<kBlockN>, stream>>>(a_map, b_map, args);
     return cudaGetLastError();
 }
 
