@@ -28,7 +28,8 @@ class DeviceOrder:
         self._comm_key = _key(self.comm)
         # Recorded again by every use (a wait takes the record made before it): creating events per call
         # costs more than the launches.
-        self.enter = torch.cuda.Event()  # an asynchronous call's current stream, for the comm stream
+        self.enter = torch.cuda.Event()  # the current stream, for a call on the comm stream to wait for
+        self.leave = torch.cuda.Event()  # the comm stream, for the current one to wait for (no async_finish)
         self._handoff = torch.cuda.Event()  # the latest operation's stream, at a change of stream
         self._last: Optional[torch.cuda.Stream] = None
         self._last_key: Optional[tuple[int, int, int]] = None
@@ -46,6 +47,10 @@ class DeviceOrder:
         `ordered_after`, a stream the comm stream already waits for."""
         if self._last_key != self._comm_key:
             self._switch(self._comm_key, self.comm, ordered_after)
+
+    def caught_up(self, stream: torch.cuda.Stream) -> None:
+        """`stream` has just been made to wait for the latest operation: later calls on it need no hand-off."""
+        self._last, self._last_key = stream, _key(stream)
 
     def _switch(self, key: tuple[int, int, int], stream: torch.cuda.Stream,
                 ordered_after: Optional[torch.cuda.Stream]) -> None:
@@ -112,16 +117,16 @@ SYNCHRONOUS = CallScope()
 class OnCommStream(CallScope):
     """A call on the comm stream, after `previous_event` or the current stream.
 
-    `finish(inputs, outputs)` returns the call's event, keeps the inputs alive for the comm stream and
-    the outputs for the current one (unless they belong to the comm stream), and makes the current stream
-    wait unless `async_finish`."""
+    `finish(inputs, outputs)` keeps the outputs alive for the current stream (unless they belong to the
+    comm stream); with `async_finish` it returns the call's event and keeps the inputs alive for the comm
+    stream, else the current stream waits for the call."""
 
     def __init__(self, order: DeviceOrder, device: torch.device, previous_event: Optional[EventOverlap],
                  async_finish: bool, allocate_on_comm_stream: bool) -> None:
         self.async_finish = async_finish
         self.allocate_on_comm_stream = allocate_on_comm_stream
         self.compute = torch.cuda.current_stream(device)
-        self.comm = order.comm
+        self.order, self.comm = order, order.comm
         if previous_event is not None and previous_event.event is not None:
             self.comm.wait_event(previous_event.event)
             order.take_comm(None)
@@ -134,6 +139,15 @@ class OnCommStream(CallScope):
         return _OnStream(self.comm, self.compute)
 
     def finish(self, inputs: Sequence[object], outputs: Sequence[object]) -> EventOverlap:
+        if not self.async_finish:
+            self.order.leave.record(self.comm)
+            # Nothing queued on the current stream from now on runs before the comm stream's work, so
+            # the inputs need no record; the outputs, allocated on the comm stream, are used here.
+            for tensor in _tensors(outputs):
+                tensor.record_stream(self.compute)
+            self.compute.wait_event(self.order.leave)
+            self.order.caught_up(self.compute)
+            return EventOverlap()
         event = torch.cuda.Event()  # the caller holds it: one of its own
         event.record(self.comm)
         for tensor in _tensors(inputs):
@@ -141,8 +155,6 @@ class OnCommStream(CallScope):
         if not self.allocate_on_comm_stream:
             for tensor in _tensors(outputs):
                 tensor.record_stream(self.compute)
-        if not self.async_finish:
-            self.compute.wait_event(event)
         return EventOverlap(event, tuple(_tensors(inputs)) + tuple(_tensors(outputs)))
 
 
