@@ -196,15 +196,19 @@ def check_topk_weights(name: str, topk_weights: object, topk_idx: torch.Tensor) 
 # ------------------------------------------------------------------ requests of the Buffer's operations
 
 
+_HANDLE_TYPES = {len(DispatchHandle._fields): DispatchHandle, len(InternodeDispatchHandle._fields): InternodeDispatchHandle}
+
+
 def check_dispatch_handle(handle: object, num_tokens: Optional[int], num_ranks: int,
                           device: torch.device) -> DispatchHandle:
     """A normal-mode handle, one-node or internode (`num_tokens`: the source tokens it must describe, None
     for any). An internode handle stays one: its first fields are a `DispatchHandle`'s."""
-    handle_types = {len(DispatchHandle._fields): DispatchHandle,
-                    len(InternodeDispatchHandle._fields): InternodeDispatchHandle}
-    if not isinstance(handle, tuple) or len(handle) not in handle_types:
+    if isinstance(handle, (DispatchHandle, InternodeDispatchHandle)):
+        hdl = handle
+    elif isinstance(handle, tuple) and len(handle) in _HANDLE_TYPES:
+        hdl = _HANDLE_TYPES[len(handle)](*handle)  # a plain tuple, as DeepEP's handles are
+    else:
         raise ValueError("handle: expected the handle returned by dispatch")
-    hdl = handle_types[len(handle)](*handle)
     check_tensor("handle.rank_prefix_matrix", hdl.rank_prefix_matrix, dtype=torch.int32,
                  shape=(num_ranks, num_ranks), device=device)
     check_tensor("handle.is_token_in_rank", hdl.is_token_in_rank, dtype=torch.bool,
