@@ -43,7 +43,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-from functools import partial
 from typing import Callable, Optional
 
 import torch
@@ -52,27 +51,18 @@ import triton
 from moe_ep.kernels import fp8_grouped_gemm as gemm
 from moe_ep.kernels.fp8_backend import fp8_backend_for
 from moe_ep.kernels.fp8_casts import (FP8Rows, cuda_weight_cast_runs, per_block_cast_to_fp8_with_transpose,
-                                      per_column_segments_cast_to_fp8, per_token_cast_back, per_token_cast_to_fp8)
+                                      per_token_cast_back, per_token_cast_to_fp8)
 from moe_ep.layers import GroupedMLP
 from moe_ep.ops import fp8
+from fp8_operands import (ALIGNMENT, HIDDEN, INTERMEDIATE, PROJECTIONS, GroupedOperands, blockwise_casts,
+                          blockwise_impls, grouped_operands, segment_counts, weight_grad_impls)
 from fp8_profile import (DEEPGEMM_SHAPES, KernelTimer, alternative_impls, deepgemm_counts, grouped_gemm_flops,
                          parse_shape_sets, profile_table, relative_error)
 from gpu_clocks import ClockSampler, find_gpu, gpu_id_candidates
 from timing import local_median_us
 
-ALIGNMENT = 16
-HIDDEN, INTERMEDIATE = 7168, 2048
-PROJECTIONS = {"gate_up": (HIDDEN, 2 * INTERMEDIATE), "down": (INTERMEDIATE, HIDDEN)}  # (K, M) of the forward
 EXPERT_RUNS = {"bf16": "bf16", "fp8": "fp8, weights cast every step", "fp8_cached": "fp8, cached weight casts",
                "fp8_cached_wgrad": "fp8, cached, fp8 weight grads"}
-
-
-def segment_counts(num_experts: int, rows: int, seed: int) -> list[int]:
-    """Uneven rows per expert (a skewed multinomial), each padded up to 16 rows."""
-    g = torch.Generator().manual_seed(seed)
-    popularity = torch.rand(num_experts, generator=g) ** 2 + 0.05
-    counts = torch.multinomial(popularity, rows, replacement=True, generator=g).bincount(minlength=num_experts)
-    return [int(c + (-c) % ALIGNMENT) for c in counts]
 
 
 def same_bits(got: tuple[torch.Tensor, ...], want: tuple[torch.Tensor, ...]) -> bool:
@@ -132,33 +122,17 @@ def bench_casts(x: torch.Tensor, grad: torch.Tensor, w: torch.Tensor) -> dict:
     return results
 
 
-def blockwise_impls(a: torch.Tensor, a_8: FP8Rows, b: torch.Tensor, b_8: tuple[torch.Tensor, torch.Tensor],
-                    ends: torch.Tensor) -> tuple[dict, dict]:
-    """`a[rows of e] @ b[e].T` (`a [N, K]`, `b [E, N_OUT, K]` BF16) as BF16 `torch._grouped_mm`, and as the
-    blockwise FP8 GEMM on their casts `a_8`, `b_8`: Triton (autotuned), and the CUDA kernel where it runs."""
-    impls = {"bf16": partial(torch._grouped_mm, a, b.transpose(-2, -1), offs=ends),
-             "fp8-triton": partial(gemm.fp8_grouped_mm, *a_8, *b_8, ends, backend="triton")}
-    if not gemm.cuda_kernel_runs(a_8[0], b_8[0]):
-        return impls, {"fp8-cuda": "the moe_ep._fp8 kernel does not run here (an sm_90a build on an sm_90 GPU)"}
-    impls["fp8-cuda"] = partial(gemm.fp8_grouped_mm, *a_8, *b_8, ends, backend="cuda")
-    return impls, {}
-
-
 def bench_projection(timer: KernelTimer, num_experts: int, rows: int, depth: int, width: int, seed: int,
                      proj: str) -> dict:
     """Forward `[N, depth] -> [N, width]`, its dgrad and wgrad, FP8 vs BF16 grouped GEMMs (the forward also
     row-wise), the casts, and every Triton tile."""
-    counts = segment_counts(num_experts, rows, seed)
+    operands = grouped_operands(segment_counts(num_experts, rows, seed), depth, width)
+    counts, ends, x, grad, w_bf16 = operands.counts, operands.ends, operands.x, operands.grad, operands.w
     num_rows = sum(counts)
-    ends = torch.tensor(counts, device="cuda").cumsum(0).to(torch.int32)
-    x = torch.randn(num_rows, depth, device="cuda", dtype=torch.bfloat16)
-    grad = torch.randn(num_rows, width, device="cuda", dtype=torch.bfloat16)
-    w_bf16 = torch.randn(num_experts, width, depth, device="cuda", dtype=torch.bfloat16) / depth ** 0.5
     casts = bench_casts(x, grad, w_bf16)
-    qx, sx = per_token_cast_to_fp8(x)
-    qg, sg = per_token_cast_to_fp8(grad)
-    qw, sw, qw_t = per_block_cast_to_fp8_with_transpose(w_bf16)
-    sw_t = sw.transpose(-2, -1)
+    blockwise = blockwise_casts(operands)
+    (qx, sx), (qg, sg) = blockwise.x_8, blockwise.grad_8
+    (qw, sw), (qw_t, sw_t) = blockwise.w_8, blockwise.w_t_8
     w = fp8.per_block_cast_back(qw, sw, torch.bfloat16)  # the weights the FP8 GEMMs multiply
 
     def forward(config: Optional[triton.Config] = None, backend: str = "triton") -> torch.Tensor:
@@ -209,7 +183,7 @@ def bench_projection(timer: KernelTimer, num_experts: int, rows: int, depth: int
         times[f"{impl}_forward_us"] = forwards[impl]["us"]
         checks[f"{impl}_forward_rel_err_fp64"] = forwards[impl]["rel_err"]
     if cuda:
-        wgrad = bench_weight_grad(timer, shape, counts, x, grad, (qx, sx))
+        wgrad = bench_weight_grad(timer, shape, operands, (qx, sx))
         times.update({k: v for k, v in wgrad.items() if k.endswith("_us")})
         checks.update({k: v for k, v in wgrad.items() if not k.endswith("_us")})
     tflops = {name.replace("_us", "_tflops"): flops / (t * 1e-6) / 1e12 for name, t in times.items()
@@ -222,54 +196,31 @@ def bench_projection(timer: KernelTimer, num_experts: int, rows: int, depth: int
                if f"{kind}fp8_{op}_us" in times}}
 
 
-def weight_grad_operands(counts: list[int], grad: torch.Tensor, x_8: FP8Rows):
-    """The depth-grouped GEMM's operands: `grad` and the FP8 rows cast along each expert's tokens."""
-    lengths = torch.tensor(counts, device="cuda", dtype=torch.int32)
-    starts = lengths.cumsum(0, dtype=torch.int32) - lengths
-    padded_ends = fp8.padded_segment_ends(lengths)
-
-    def casts() -> tuple:
-        return (per_column_segments_cast_to_fp8(grad, None, starts, lengths, padded_ends, block_scales=False),
-                per_column_segments_cast_to_fp8(*x_8, starts, lengths, padded_ends, block_scales=True))
-    return casts, padded_ends
-
-
-def bench_weight_grad(timer: KernelTimer, shape: str, counts: list[int], x: torch.Tensor, grad: torch.Tensor,
-                      x_8: FP8Rows) -> dict:
+def bench_weight_grad(timer: KernelTimer, shape: str, operands: GroupedOperands, x_8: FP8Rows) -> dict:
     """BF16 weight gradient and the FP8 depth-grouped GEMM (their first expert against float64 of the
     unquantized values), timed with the clock sampled; the FP8 GEMM's two casts, timed alone."""
-    ends = torch.tensor(counts, device="cuda").cumsum(0).to(torch.int32)
-    casts, padded_ends = weight_grad_operands(counts, grad, x_8)
-    g_t, x_t = casts()
+    counts, x, grad = operands.counts, operands.x, operands.grad
+    impls, casts = weight_grad_impls(operands, x_8)
     first = slice(0, counts[0])
     want = grad[first].double().t() @ x[first].double()
-
-    def bf16() -> torch.Tensor:
-        return torch._grouped_mm(grad.t(), x, offs=ends)
-
-    def fp8_depth() -> torch.Tensor:
-        return gemm.fp8_depth_grouped_mm(*g_t, *x_t, padded_ends)
-
-    errors = {"bf16_wgrad_rel_err": relative_error(bf16()[0], want),
-              "wgrad_rel_err": relative_error(fp8_depth()[0], want)}
+    errors = {"bf16_wgrad_rel_err": relative_error(impls["bf16"]()[0], want),
+              "wgrad_rel_err": relative_error(impls["fp8-cuda"]()[0], want)}
     flops = grouped_gemm_flops(sum(counts), x.size(1), grad.size(1))
     return {**errors,
-            "bf16_wgrad_us": timer.time(bf16, shape=shape, op="wgrad", impl="bf16", flops=flops,
+            "bf16_wgrad_us": timer.time(impls["bf16"], shape=shape, op="wgrad", impl="bf16", flops=flops,
                                         rel_err=errors["bf16_wgrad_rel_err"]),
-            "cuda_fp8_wgrad_us": timer.time(fp8_depth, shape=shape, op="wgrad", impl="fp8-cuda", flops=flops,
-                                            rel_err=errors["wgrad_rel_err"]),
+            "cuda_fp8_wgrad_us": timer.time(impls["fp8-cuda"], shape=shape, op="wgrad", impl="fp8-cuda",
+                                            flops=flops, rel_err=errors["wgrad_rel_err"]),
             "cuda_fp8_wgrad_casts_us": local_median_us(casts)}
 
 
 def bench_deepgemm_shape(timer: KernelTimer, name: str, depth: int, width: int) -> dict:
     """DeepGEMM's grouped contiguous layout (equal groups, `deepgemm_counts`), forward only:
     `{impl: {"us", "rel_err"}}` of the FP8 kernels, BF16 and the alternatives."""
-    counts = deepgemm_counts()
-    ends = torch.tensor(counts, device="cuda").cumsum(0).to(torch.int32)
-    x = torch.randn(sum(counts), depth, device="cuda", dtype=torch.bfloat16)
-    w = torch.randn(len(counts), width, depth, device="cuda", dtype=torch.bfloat16) / depth ** 0.5
-    qw, sw, _ = per_block_cast_to_fp8_with_transpose(w)
-    impls, skipped = blockwise_impls(x, per_token_cast_to_fp8(x), w, (qw, sw), ends)
+    operands = grouped_operands(deepgemm_counts(), depth, width, with_grad=False)
+    counts, ends, x, w = operands.counts, operands.ends, operands.x, operands.w
+    blockwise = blockwise_casts(operands)
+    impls, skipped = blockwise_impls(x, blockwise.x_8, w, blockwise.w_8, ends)
     alternatives, alternatives_skipped = alternative_impls(x, w, ends, counts)
     return timer.profile(name, "forward", {**impls, **alternatives}, {**skipped, **alternatives_skipped},
                          x, w, counts, grouped_gemm_flops(sum(counts), depth, width))

@@ -2,7 +2,7 @@
 # One device call: build the extensions, run tests/gpu, run the benchmarks; logs and JSON under $OUT, a
 # short table printed last.
 #   bash scripts/gpu_check.sh [parts] [extra intranode-benchmark args...]
-#   parts: comma list of build,test,bench,ll,layer,internode,fp8gemm,probe,examples,decodediag,overhead
+#   parts: comma list of build,test,bench,ll,layer,internode,fp8gemm,fp8ncu,probe,examples,decodediag,overhead
 #     (default: build,test,bench,ll,layer,fp8gemm on a machine with EP GPUs or more; build,test,fp8gemm on
 #     smaller ones, whose multi-rank tests put several ranks on a GPU); internode: bench_internode.py
 #     --backend cuda with virtual nodes (INTERNODE_ARGS);
@@ -17,6 +17,12 @@
 #     layer benchmark (LAYER_TIMEOUT, LAYER_ARGS: e.g. --profile-experts); fp8gemm: the FP8 grouped GEMMs (CUDA and Triton) against BF16 on
 #     one GPU, with the SM clock and power sampled during each GEMM, at our shapes and DeepGEMM's, beside
 #     torch._scaled_grouped_mm row-wise (FP8GEMM_TIMEOUT, FP8GEMM_ARGS: e.g. --profile, --shapes deepgemm);
+#     fp8ncu: Nsight Compute on our FP8 GEMM kernels (forward, dgrad, wgrad at the gate/up shapes) and the
+#     row-wise torch._scaled_grouped_mm forward, one launch each after warm-up (benchmarks/fp8_kernel_once.py):
+#     tensor pipe, SM, DRAM and L2 throughput, occupancy, issue slots, warp stalls and the SM clock; reports
+#     and raw CSVs in files.tgz, a table in bench.log (benchmarks/ncu_table.py), one line per kernel in the
+#     summary; where ncu is missing or may not read the counters (ERR_NVGPUCTRPERM), the summary says so
+#     (FP8NCU_TIMEOUT for the whole part, default 150 s; needs the build part, or a build from earlier);
 #     probe: benchmarks/nvlink_probe.cu (row copies between GPUs at once: push vs pull, and the dispatch's
 #     fan-out with tail publishing; no torch; PROBE_ARGS: rows row_bytes gpus, default 11000 14336 2);
 #     overhead: benchmarks/bench_overhead.py, whole calls with the ranks of worlds OVERHEAD_WORLDS (default
@@ -134,6 +140,103 @@ has internode && run_bench "internode (cuda)" "${INTERNODE_TIMEOUT:-120}" bench_
     --backend cuda ${INTERNODE_ARGS:---world 4 --ranks-per-node 2 --shape small}
 has fp8gemm && run_bench "FP8 grouped GEMM" "${FP8GEMM_TIMEOUT:-150}" bench_fp8_grouped_gemm.py \
     bench_fp8_grouped_gemm.json ${FP8GEMM_ARGS:-}
+
+# find_ncu: the Nsight Compute CLI: on PATH, in CUDA_HOME or beside nvcc, else the newest under
+# /usr/local/cuda*/ or /opt/nvidia/nsight-compute/; status 1 where there is none.
+find_ncu() {
+    local candidate
+    for candidate in "$(command -v ncu 2>/dev/null)" "${CUDA_HOME:+$CUDA_HOME/bin/ncu}" \
+        "$(dirname "$(command -v nvcc 2>/dev/null || echo /none/nvcc)")/ncu" \
+        $(ls -d /usr/local/cuda*/bin/ncu /usr/local/cuda*/nsight-compute*/ncu /opt/nvidia/nsight-compute/*/ncu \
+            2>/dev/null | sort -rV); do
+        if [[ -n "$candidate" && -x "$candidate" ]]; then echo "$candidate"; return 0; fi
+    done
+    return 1
+}
+
+# ncu_profile LABEL OP IMPL: benchmarks/fp8_kernel_once.py under ncu, report and raw CSV to $FILES/ncu_LABEL.*,
+# ncu's output to bench.log. The launches profiled are those in the script's NVTX range; where ncu profiled
+# none there (no NVTX support in this ncu or torch), our kernel is taken by name after its 3 warm-up launches.
+# ncu refuses a whole run for one metric it does not know: metrics an error names join NCU_EXCLUDED, the
+# next candidates of their columns replace them (ncu_table.py metrics) and the run is tried again. Status 2
+# where ncu may not read the GPU's counters.
+ncu_profile() {
+    local label=$1 op=$2 impl=$3 limit call_left attempt rc name log=$FILES/ncu_$1.log
+    local filter=() select=(--nvtx --nvtx-include "fp8_kernel_once/") dropped
+    # Only our kernel where it is ours; the row-wise op may launch helpers around its GEMM, all in the range.
+    [[ $impl == ours ]] && filter=(-k regex:fp8_grouped_gemm)
+    for attempt in 1 2 3; do
+        limit=$(( ncu_budget - ($(date +%s) - ncu_start) ))
+        call_left=$(( CALL_BUDGET_S - ($(date +%s) - script_start) - 20 ))
+        (( limit > call_left )) && limit=$call_left
+        if (( limit < 20 )); then summary+=("fp8ncu $label: not run: the part's time is spent"); return 1; fi
+        # --clock-control none: ncu locks the SM clock to base by default (repeatable counters); here the
+        # card runs as the benchmark finds it (boost, lowered by the power cap), so that tensor % and the
+        # clock ncu reports compare with the benchmark's TFLOP/s. One replay pass is a single 2-5 ms
+        # kernel, too short to heat the card to its sustained clock: the fp8gemm part measures that one.
+        # application-only: the Python process, not the compilers Triton starts.
+        MOE_EP_CHECK_VALUES=0 timeout -k 10 "$limit" "$ncu" --target-processes application-only --clock-control none \
+            "${select[@]}" "${filter[@]}" --launch-count 4 --section WarpStateStats --metrics "$NCU_METRICS" \
+            -f -o "$FILES/ncu_$label" \
+            $PY benchmarks/fp8_kernel_once.py --op "$op" --impl "$impl" --proj gate_up --warmup 3 --iters 1 \
+            > "$log" 2>&1
+        rc=$?
+        { echo "================ ncu $label (rc=$rc): ${select[*]} ${filter[*]}"; cat "$log"; } >> "$OUT/bench.log"
+        grep -q ERR_NVGPUCTRPERM "$log" && return 2
+        dropped=()
+        for name in ${NCU_METRICS//,/ }; do
+            grep "==ERROR==" "$log" | grep -qF "${name%%.*}" && dropped+=("$name")
+        done
+        if (( rc != 0 && ${#dropped[@]} )); then
+            NCU_EXCLUDED+=$(IFS=,; echo ",${dropped[*]}")
+            NCU_METRICS=$($PY benchmarks/ncu_table.py metrics "$FILES/ncu_query_metrics.txt" --exclude "$NCU_EXCLUDED")
+            echo "dropped the metrics ncu named in an error: ${dropped[*]}" >> "$OUT/bench.log"
+        elif [[ $impl == ours && ${select[0]} == --nvtx ]] && grep -q "No kernels were profiled" "$log"; then
+            select=(--launch-skip 3)
+        else
+            break
+        fi
+    done
+    (( rc == 0 )) || summary+=("fp8ncu $label: ncu rc=$rc (its output in bench.log)")
+    # Base units (ns, cycle/second) where this ncu knows the option; ncu_table.py reads the others too.
+    "$ncu" --import "$FILES/ncu_$label.ncu-rep" --csv --page raw --print-units base > "$FILES/ncu_$label.csv" \
+        2>> "$OUT/bench.log" ||
+        "$ncu" --import "$FILES/ncu_$label.ncu-rep" --csv --page raw > "$FILES/ncu_$label.csv" 2>> "$OUT/bench.log"
+    ncu_tables+=("$op $impl=$FILES/ncu_$label.csv")
+}
+
+if has fp8ncu; then
+    ncu_start=$(date +%s)
+    ncu_budget=${FP8NCU_TIMEOUT:-150}
+    ncu_tables=()
+    if ! ncu=$(find_ncu); then
+        summary+=("fp8ncu: ncu not found (PATH, CUDA_HOME, beside nvcc, /usr/local/cuda*, /opt/nvidia/nsight-compute): nothing profiled")
+    else
+        echo "================ FP8 GEMM kernels under Nsight Compute: $ncu, $("$ncu" --version 2>&1 | tail -1)" \
+            >> "$OUT/bench.log"
+        timeout 60 "$ncu" --query-metrics > "$FILES/ncu_query_metrics.txt" 2>&1
+        # The tensor-pipe metrics this ncu offers: their names have changed between versions.
+        grep -E "^ *sm__(pipe|inst_executed_pipe)_tensor" "$FILES/ncu_query_metrics.txt" | head -20 >> "$OUT/bench.log"
+        NCU_EXCLUDED=""
+        NCU_METRICS=$($PY benchmarks/ncu_table.py metrics "$FILES/ncu_query_metrics.txt")
+        for spec in "forward ours" "dgrad ours" "wgrad ours" "forward rowwise"; do
+            read -r op impl <<< "$spec"
+            ncu_profile "${op}_$impl" "$op" "$impl"
+            if (( $? == 2 )); then
+                summary+=("fp8ncu: ncu may not read the GPU's performance counters (ERR_NVGPUCTRPERM: profiling is restricted to admin users on this machine): nothing profiled")
+                ncu_tables=()
+                break
+            fi
+        done
+        if (( ${#ncu_tables[@]} )); then
+            echo "================ ncu table" >> "$OUT/bench.log"
+            $PY benchmarks/ncu_table.py table "${ncu_tables[@]}" | tee -a "$OUT/bench.log"
+            while IFS= read -r line; do summary+=("fp8ncu $line"); done \
+                < <($PY benchmarks/ncu_table.py table --brief "${ncu_tables[@]}")
+            summary+=("fp8ncu: $(( $(date +%s) - ncu_start )) s; table in bench.log, reports and raw CSVs in files.tgz")
+        fi
+    fi
+fi
 if has overhead; then
     run_bench "overhead (ranks sharing the GPUs)" "${OVERHEAD_TIMEOUT:-150}" bench_overhead.py bench_overhead.json \
         --worlds "${OVERHEAD_WORLDS:-2,4}" --tokens 4096 --hidden 7168 --experts 256 --topk 8 --timeout 80 \
