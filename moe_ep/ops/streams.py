@@ -2,11 +2,12 @@
 
 A synchronous call (no `previous_event`, no `async_finish`) runs on the caller's current stream: its
 outputs are ready in that stream's order with no event, no stream switch and no `record_stream`. A
-call with `previous_event` or `async_finish` runs on the Buffer's comm stream after `previous_event` (or
-the current stream); with `async_finish` it returns an event, else the current stream waits for it. Either way, one Buffer's operations must not overlap (they share its buffers), so
-every call first orders its stream after the stream the Buffer's latest operation ran on; when that is
-the same stream (the usual case: all calls synchronous on one stream, or all asynchronous), stream
-order already does it and nothing is recorded.
+call with `previous_event` or `async_finish` runs on the Buffer's comm stream after `previous_event`
+(or the current stream); with `async_finish` it returns an event, else the current stream waits for
+it. Either way, one Buffer's operations must not overlap (they share its buffers), so every call first
+orders its stream after the stream the Buffer's latest operation ran on; when that is the same stream
+(the usual case: all calls synchronous on one stream, or all asynchronous), stream order already does
+it and nothing is recorded.
 """
 
 from __future__ import annotations
