@@ -16,9 +16,10 @@ Operations: get_dispatch_layout; dispatch BF16 and FP8, each uncached (the host 
 uncached with num_worst_tokens (it does not) and cached (the handle passed); combine BF16;
 low-latency dispatch (FP8) and combine, paced by the host (no hook). First, plain torch calls timed
 the same way (one launch; an allocation and a memset; an event record and a stream wait) tell how fast
-this machine's host is, since host times move by up to 2x between machines of one kind. Printed as one table, saved
-as JSON under --out. With --host-profile, rank 0 also runs each operation under cProfile and lists
-the functions (Python and the C++ bindings) that take its host time: where the microseconds go. Value checks are off (MOE_EP_CHECK_VALUES=0), as DeepEP has none.
+this machine's host is, since host times move by up to 2x between machines of one kind. Printed as one
+table, saved as JSON under --out. With --host-profile, rank 0 also runs each operation under cProfile
+and lists the functions (Python and the C++ bindings) that take its host time: where the microseconds
+go. Value checks are off (MOE_EP_CHECK_VALUES=0), as DeepEP has none.
 
     python benchmarks/bench_overhead.py --out overhead.json [--worlds 2,4] [--tokens 4096 --hidden 7168 ...]
     python benchmarks/bench_overhead.py --backend torch --tiny --worlds 2 --out /tmp/overhead.json   # CPU

@@ -16,8 +16,9 @@ sys.path.insert(0, str(ROOT / "benchmarks"))
 import call_trace  # noqa: E402
 
 # The plain torch calls that tell the host's speed first, then the Buffer's operations.
-OPS = ["torch add_", "torch zeros", "torch event+wait", "layout", "dispatch bf16", "dispatch bf16 worst", "cached bf16", "dispatch fp8", "dispatch fp8 worst",
-       "cached fp8", "combine bf16", "ll dispatch fp8", "ll combine"]
+OPS = ["torch add_", "torch zeros", "torch event+wait", "layout", "dispatch bf16", "dispatch bf16 worst",
+       "cached bf16", "dispatch fp8", "dispatch fp8 worst", "cached fp8", "combine bf16", "ll dispatch fp8",
+       "ll combine"]
 
 
 def _event(cat: str, name: str, ts: float, dur: float, correlation: int | None = None) -> dict:

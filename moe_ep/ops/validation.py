@@ -196,7 +196,8 @@ def check_topk_weights(name: str, topk_weights: object, topk_idx: torch.Tensor) 
 # ------------------------------------------------------------------ requests of the Buffer's operations
 
 
-_HANDLE_TYPES = {len(DispatchHandle._fields): DispatchHandle, len(InternodeDispatchHandle._fields): InternodeDispatchHandle}
+_HANDLE_TYPES = {len(DispatchHandle._fields): DispatchHandle,
+                 len(InternodeDispatchHandle._fields): InternodeDispatchHandle}
 
 
 def check_dispatch_handle(handle: object, num_tokens: Optional[int], num_ranks: int,

@@ -2,8 +2,8 @@
 
 The blockwise FP8 grouped GEMM (wgmma) at expert-sized shapes: against float64 references of the
 dequantized math and against the Triton kernel, on skewed segments with empty experts, garbage past
-the last segment, depths that wrap the shared-memory ring many times, more tiles than SMs (every
-block walks several, its ring running on from tile to tile), and strided operands. The weight
+the last segment, depths that wrap the shared-memory ring many times, more tiles than SMs (several
+waves of blocks), and strided operands. The weight
 cast with its transposed copy: bit for bit the reference and the Triton kernel."""
 
 from __future__ import annotations
@@ -47,9 +47,9 @@ def operands(seed: int, counts: list[int], depth: int, width: int, tail: int):
     (5, 700, 512, 1024),     # fewer K blocks than stages, many column tiles
     (7, 900, 1536, 640),     # 128-column tiles (640 is no multiple of 256), 12 K blocks
     (1, 130, 128, 128),      # one expert, one K block, a segment one row past a tile
-    # Several tiles per block (the kernel runs one block per SM, 132 on an H100): 336 and 297 tiles
-    # with rows, whose K blocks (5 against 4 stages, 7 against 6) are no multiple of the stage count,
-    # so the ring's laps straddle tiles; among them empty experts and the zero tail.
+    # More tiles than SMs (132 on an H100): 336 and 297 tiles with rows, in several waves of blocks,
+    # K blocks no multiple of the stage count (5 against 4 stages, 7 against 6), empty experts and
+    # the zero tail among them.
     (12, 10000, 640, 1024),
     (9, 12000, 896, 384),    # 128-column tiles
 ])
@@ -165,8 +165,8 @@ def column_operands(seed: int, counts: list[int], width_a: int, width_b: int):
     ([2000, 16, 48], 256, 1024),            # 16 K blocks: the stage ring wraps
     ([0, 0], 128, 256),                     # no tokens at all: zero gradients
     ([130] * 12, 384, 640),                 # 128-column tiles (640 is no multiple of 256)
-    # 336 tiles (several per block on 132 SMs), experts without columns between the others, and
-    # 6, 3, 10 and 1 K blocks against 4 stages: the ring's laps straddle tiles.
+    # 336 tiles (more than SMs), experts without columns between the others, and 6, 3, 10 and 1 K
+    # blocks against 4 stages.
     ([700, 0, 300, 0, 0, 1200, 5], 1024, 1536),
 ])
 def test_depth_grouped_gemm_matches_float64_reference(counts: list[int], width_a: int, width_b: int) -> None:
