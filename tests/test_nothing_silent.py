@@ -425,3 +425,38 @@ def test_a_peer_that_stalls_is_named_within_the_timeout() -> None:
     assert kind_1 == "PeerTimeoutError" and "peers gave up waiting before this rank (1) arrived (rank 0 on rank(s) " \
         "[1]" in text_1, text_1
     assert waited_1 < 1.5
+
+
+def _gpu(index: int, uuid: int) -> bytes:
+    """A `_gpu_record` stand-in: the device index and a 16-byte id."""
+    return index.to_bytes(4, "little") + uuid.to_bytes(16, "little")
+
+
+@pytest.mark.parametrize("gpus, error", [
+    ([0, 1, 2, 3, 0, 1], r"host 0 hold different numbers of ranks \(GPU 0: ranks \[0, 4\]; GPU 1: ranks \[1, 5\]; "
+                         r"GPU 2: ranks \[2\]; GPU 3: ranks \[3\]\)"),
+    ([0, 1, 2, 3], None),
+    ([0, 1, 2, 3, 0, 1, 2, 3], None),
+    ([0, 0, 0, 0, 0, 0], None),
+])
+def test_nvshmem_refuses_a_host_whose_gpus_hold_different_numbers_of_ranks(gpus: list[int], error) -> None:
+    """NVSHMEM's initialisation hangs on such a placement and has no timeout: refused before it starts."""
+    from moe_ep.ops.backends.cuda_low_latency import check_even_gpu_sharing
+
+    records = [(b"host-a", _gpu(index, 100 + index)) for index in gpus]
+    if error is None:
+        check_even_gpu_sharing(records)
+    else:
+        with pytest.raises(RuntimeError, match=error):
+            check_even_gpu_sharing(records)
+
+
+def test_even_sharing_is_judged_per_host_and_by_gpu_identity() -> None:
+    """Processes that each see one GPU report index 0: their GPUs are told apart by the UUID digest."""
+    from moe_ep.ops.backends.cuda_low_latency import check_even_gpu_sharing
+
+    per_process_view = [(b"host-a", _gpu(0, uuid)) for uuid in (7, 8, 7, 8)]
+    check_even_gpu_sharing(per_process_view + [(b"host-b", _gpu(0, 9))] * 3)  # 2 + 2 on a, 3 on b: even per host
+    uneven_b = [(b"host-b", _gpu(index, 9 + index)) for index in (0, 1, 0)]
+    with pytest.raises(RuntimeError, match=r"host 1 .*GPU 0: ranks \[4, 6\]; GPU 1: ranks \[5\]"):
+        check_even_gpu_sharing(per_process_view + uneven_b)

@@ -37,6 +37,7 @@ rank.
 from __future__ import annotations
 
 import functools
+import hashlib
 import importlib
 import importlib.util
 import os
@@ -81,8 +82,33 @@ def low_latency_available() -> bool:
     return True
 
 
-def _choose_transport(group: dist.ProcessGroup, num_ranks: int, device: torch.device) -> tuple[bool, str]:
-    """(whether the group is on one host, the transport: "p2p", "nvshmem" or, forced only, "nvshmem_puts").
+def _gpu_record(device: torch.device) -> bytes:
+    """This rank's GPU for `gather_host_records`: its index (4 bytes, for peer access) and a digest of its
+    UUID (16 bytes: processes that each see one GPU all report index 0)."""
+    uuid = str(torch.cuda.get_device_properties(device).uuid).encode()
+    return device.index.to_bytes(4, "little") + hashlib.blake2b(uuid, digest_size=16).digest()
+
+
+def check_even_gpu_sharing(records: list[tuple[bytes, bytes]]) -> None:
+    """Raise, on every rank alike, when the GPUs of one host hold different numbers of ranks (`records`:
+    every rank's `(host id, _gpu_record)`). NVSHMEM's initialisation waits forever for such a group (6 PEs
+    on 4 GPUs, two GPUs with two each, hangs in its bootstrap while the lone PEs spin), with no timeout of
+    its own; one rank per GPU, or the same number on every GPU of a host, initialises."""
+    hosts: dict[bytes, dict[bytes, list[int]]] = {}
+    for rank, (host, gpu) in enumerate(records):
+        hosts.setdefault(host, {}).setdefault(gpu[4:], []).append(rank)
+    for number, gpus in enumerate(hosts.values()):
+        if len({len(ranks) for ranks in gpus.values()}) > 1:
+            placement = "; ".join(f"GPU {int.from_bytes(records[ranks[0]][1][:4], 'little')}: ranks {ranks}"
+                                  for ranks in gpus.values())
+            raise RuntimeError(f"NVSHMEM: the GPUs of host {number} hold different numbers of ranks ({placement}); "
+                               "NVSHMEM's initialisation hangs on such a placement: give every GPU of a host the "
+                               "same number of ranks (one each for speed)")
+
+
+def _choose_transport(records: list[tuple[bytes, bytes]]) -> tuple[bool, str]:
+    """(whether the group is on one host, the transport: "p2p", "nvshmem" or, forced only, "nvshmem_puts"),
+    from every rank's `(host id, _gpu_record)`.
 
     "p2p" (`moe_ep._low_latency_p2p`: whole-program kernels writing every peer with direct stores) when
     the group is on one host and its GPUs have peer access to each other; "nvshmem" (relocatable kernels,
@@ -90,14 +116,13 @@ def _choose_transport(group: dist.ProcessGroup, num_ranks: int, device: torch.de
     overrides (`moe_ep.ops.settings`).
     """
     forced = settings().low_latency_transport
-    records = gather_host_records(group, num_ranks, device, device.index.to_bytes(4, "little"))
     single_host = len({host for host, _ in records}) == 1
     if forced != "auto":
         return single_host, forced
     if not single_host or importlib.util.find_spec(_MODULES["p2p"]) is None:  # the P2P module was not built
         return single_host, "nvshmem"
     # Processes that see one GPU each all report index 0: the runtime then checks the mappings itself.
-    devices = {int.from_bytes(index, "little") for _, index in records}
+    devices = {int.from_bytes(gpu[:4], "little") for _, gpu in records}
     peer_access = all(torch.cuda.can_device_access_peer(a, b) for a in devices for b in devices if a != b)
     return single_host, "p2p" if peer_access else "nvshmem"
 
@@ -137,7 +162,9 @@ def _join(group: dist.ProcessGroup, rank: int, num_ranks: int, device: torch.dev
     # NVSHMEM takes both settings from the environment only, read by its init below: this is the one
     # place the library writes the process environment (setdefault: a user's own choice stands).
     os.environ.setdefault("NVSHMEM_DISABLE_NVLS", "1")
-    single_host, _transport = _choose_transport(group, num_ranks, device)
+    records = gather_host_records(group, num_ranks, device, _gpu_record(device))
+    check_even_gpu_sharing(records)
+    single_host, _transport = _choose_transport(records)
     if device_api and _transport == "p2p":
         _transport = "nvshmem"
     if single_host:
