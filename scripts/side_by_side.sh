@@ -15,7 +15,8 @@
 #   deepep_tests  DeepEP's own tests/test_intranode.py and tests/test_low_latency.py (256 experts; again
 #                 with --use-logfmt) at EP ranks, output as printed, into deepep_tests.log
 #   floor         the NVLink floor of the remote rows: gpu_check.sh's probe part (benchmarks/nvlink_probe.cu),
-#                 FLOOR_ARGS="rows row_bytes gpus", by default the rows of the side-by-side run
+#                 FLOOR_ARGS="rows row_bytes gpus", by default the rows of the last side-by-side run on this
+#                 machine (its JSON is kept under build/), else 11000
 #   suite         tests/gpu: gpu_check.sh's test part (every file on its own, with its own time limit)
 #   intranode     bench_side_by_side.py at INTRANODE_WORLDS ranks (default "5 6 7 8"), normal mode, moe_ep
 #                 and NCCL: the staged and the ring combine, whole call and kernel, next to what `auto` picks
@@ -67,6 +68,7 @@ export CUDA_HOME=${CUDA_HOME:-$(dirname "$(dirname "$NVCC")")}
 NUM_GPUS=$(nvidia-smi -L 2>/dev/null | grep -c "^GPU")
 SMALL_ARGS=${SMALL_ARGS:---tokens 512 --hidden 2048 --ll-tokens 32 --warmup 1 --iters 3 --dispatch-chunks default --combine-chunks default --ring-slots 256}
 SBS_JSON=$FILES/side_by_side_ep$EP.json
+LAST_SBS_JSON=$ROOT/build/side_by_side_ep$EP.json
 TABLES=$(mktemp)
 summary=()
 failed=0
@@ -213,6 +215,8 @@ if has sbs; then
         summary+=("side by side: low-latency mode left out: at most 4 NVSHMEM PEs share a GPU (docs/testing.md)")
     fi
     side_by_side "side by side, EP$EP" "${SBS_TIMEOUT:-450}" "${args[@]}" ${SBS_ARGS:-}
+    # Kept past this call: a later call's floor part on the same machine sizes the probe from it.
+    [[ -f $SBS_JSON ]] && mkdir -p "$ROOT/build" && cp "$SBS_JSON" "$LAST_SBS_JSON"
 fi
 
 if has deepep_tests; then
@@ -231,8 +235,10 @@ fi
 if has floor; then
     if shares "$EP"; then summary+=("floor: not run: the probe drives $EP GPUs ($NUM_GPUS here)")
     else
+        sbs=$SBS_JSON
+        [[ -f $sbs ]] || sbs=$LAST_SBS_JSON
         rows=$("$PY" -c "import json, sys; r = json.load(open(sys.argv[1])); print(int(max(r['phases']['nccl']['ops']['bf16_rows']['remote_recv_rows'])))" \
-            "$SBS_JSON" 2>/dev/null || echo 11000)
+            "$sbs" 2>/dev/null || echo 11000)
         gpu_check probe PROBE_ARGS="${FLOOR_ARGS:-$rows 14336 $EP}"
     fi
 fi
