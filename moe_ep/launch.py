@@ -1,10 +1,11 @@
 """A small launcher for examples and scripts: run `fn` on N ranks of one machine.
 
-Under `torchrun` (RANK/WORLD_SIZE set) it joins that job. Otherwise it spawns `world_size` processes:
-NCCL with one GPU each when enough GPUs are visible; gloo with the ranks dealt round-robin over the
-GPUs when there are fewer GPUs than ranks (NCCL refuses two ranks on one GPU; the CUDA kernels work
-between processes sharing a GPU, which take turns on it: right results, not multi-GPU speed); gloo on
-the CPU without GPUs.
+Under `torchrun` (RANK/WORLD_SIZE set) it joins that job. Otherwise it spawns `world_size` processes.
+Either way the ranks of one host get NCCL with one GPU each when the host has enough GPUs for them
+(`LOCAL_WORLD_SIZE` under torchrun); gloo with the ranks dealt evenly over the GPUs when there are fewer
+GPUs than ranks (`gpu_for_rank`; NCCL refuses two ranks on one GPU; the CUDA kernels work between
+processes sharing a GPU, which take turns on it: right results, not multi-GPU speed); gloo on the CPU
+without GPUs.
 
 The process group waits at most `MOE_EP_TIMEOUT_S` for a peer (`moe_ep.ops.settings`). When ranks fail,
 the launcher waits for the others to fail too (they do within that timeout), then raises one error
@@ -52,13 +53,27 @@ def free_port() -> int:
         return sock.getsockname()[1]
 
 
+def gpu_for_rank(local_rank: int, local_size: int, num_gpus: int) -> int:
+    """The GPU of the `local_rank`-th of the `local_size` ranks of a host with `num_gpus` GPUs: its own
+    where there are enough, else dealt round-robin over the most GPUs that take the same number of ranks
+    each (6 ranks on 4 GPUs: 3 GPUs with 2), since NVSHMEM's initialisation hangs when a host's GPUs hold
+    different numbers of ranks (`check_even_gpu_sharing`)."""
+    used = max(g for g in range(1, min(num_gpus, local_size) + 1) if local_size % g == 0)
+    return local_rank % used
+
+
 def init_distributed(rank: int, world_size: int, timeout_s: Optional[float] = None,
-                     store: Optional[dist.Store] = None) -> torch.device:
+                     store: Optional[dist.Store] = None, local_rank: Optional[int] = None,
+                     local_size: Optional[int] = None) -> torch.device:
     """Initialize the default process group for this rank (rendezvous through `store`, else the
-    environment); returns the device it should use. `timeout_s` defaults to `MOE_EP_TIMEOUT_S`."""
+    environment); returns the device it should use. `timeout_s` defaults to `MOE_EP_TIMEOUT_S`.
+    `local_rank` / `local_size`: this rank's index among the ranks of its host, and their number (default:
+    every rank on this host); NCCL is chosen when the host has a GPU for each of them."""
+    if local_rank is None or local_size is None:
+        local_rank, local_size = rank, world_size
     num_gpus = torch.cuda.device_count() if torch.cuda.is_available() else 0
-    device = torch.device("cuda", rank % num_gpus) if num_gpus else torch.device("cpu")
-    use_nccl = num_gpus >= world_size
+    device = torch.device("cuda", gpu_for_rank(local_rank, local_size, num_gpus)) if num_gpus else torch.device("cpu")
+    use_nccl = num_gpus >= local_size
     if num_gpus:
         torch.cuda.set_device(device)
     timeout = datetime.timedelta(seconds=settings().timeout_s if timeout_s is None else timeout_s)
@@ -96,7 +111,8 @@ def launch(fn: Callable[..., Any], world_size: int, *args: Any) -> None:
     # itself reads `moe_ep.ops.settings`.
     if "RANK" in os.environ and "WORLD_SIZE" in os.environ:
         rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
-        device = init_distributed(rank, world)
+        device = init_distributed(rank, world, local_rank=int(os.environ.get("LOCAL_RANK", rank)),
+                                  local_size=int(os.environ.get("LOCAL_WORLD_SIZE", world)))
         try:
             fn(rank, world, device, *args)
         finally:

@@ -23,6 +23,8 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
+from moe_ep.launch import gpu_for_rank
+
 GLOO_TIMEOUT_S = 30
 FAILURE_GRACE_S = 15
 POLL_S = 5  # how often a waiting pool checks that its workers are alive
@@ -30,16 +32,8 @@ STACK_WAIT_S = 1.0  # how long a hang report waits for the hung ranks to write t
 # Caps every run's timeout (seconds), so that a device run hunting a hang gets its stacks early.
 RUN_TIMEOUT_CAP_ENV = "MOE_EP_TEST_RUN_TIMEOUT_S"
 # Pool backend: gloo, with the ranks dealt round-robin over the visible GPUs, several to a GPU when
-# the world is larger than the machine (NCCL refuses two ranks on one GPU); see `shared_gpu`.
+# the world is larger than the machine (NCCL refuses two ranks on one GPU), evenly (`gpu_for_rank`).
 SHARED_GPUS = "gloo_shared_gpus"
-
-
-def shared_gpu(rank: int, world: int, count: int) -> int:
-    """The GPU of `rank` when `world` ranks share `count` GPUs: dealt round-robin over the most GPUs that
-    take the same number of ranks each (6 ranks on 4 GPUs: 3 GPUs with 2), since NVSHMEM's initialisation
-    hangs when a host's GPUs hold different numbers of PEs (`check_even_gpu_sharing`)."""
-    used = max(g for g in range(1, min(count, world) + 1) if world % g == 0)
-    return rank % used
 
 
 def gpu_pool_backend(world: int) -> str:
@@ -79,7 +73,7 @@ def _worker(rank: int, world: int, port: int, backend: str, tasks: Any, results:
         torch.cuda.set_device(rank)
         options["device_id"] = torch.device("cuda", rank)
     elif backend == SHARED_GPUS:
-        torch.cuda.set_device(shared_gpu(rank, world, torch.cuda.device_count()))
+        torch.cuda.set_device(gpu_for_rank(rank, world, torch.cuda.device_count()))
         backend = "gloo"
     timeout = datetime.timedelta(seconds=GLOO_TIMEOUT_S)
     store = dist.TCPStore("127.0.0.1", port, is_master=False, timeout=timeout)

@@ -8,7 +8,7 @@ import time
 
 import pytest
 
-from dist_pool import FAILURE_GRACE_S, POLL_S, RUN_TIMEOUT_CAP_ENV, DistPool, shared_gpu
+from dist_pool import FAILURE_GRACE_S, POLL_S, RUN_TIMEOUT_CAP_ENV, DistPool
 
 
 def _rank_one_dies(rank: int, world: int) -> int:
@@ -68,13 +68,3 @@ def test_run_timeout_cap_from_environment(monkeypatch: pytest.MonkeyPatch) -> No
     finally:
         pool.close()
 
-
-@pytest.mark.parametrize("world, count, gpus", [
-    (6, 4, [0, 1, 2, 0, 1, 2]),  # the most GPUs that take the same number of ranks each
-    (8, 4, [0, 1, 2, 3] * 2),
-    (3, 2, [0, 0, 0]),
-    (4, 1, [0, 0, 0, 0]),
-    (2, 8, [0, 1]),
-])
-def test_shared_gpus_take_the_same_number_of_ranks(world: int, count: int, gpus: list[int]) -> None:
-    assert [shared_gpu(rank, world, count) for rank in range(world)] == gpus

@@ -49,7 +49,8 @@ def _init_default_group(comm: object, rank: int, size: int) -> None:
     store = None
     if rank == 0:
         store = dist.TCPStore(host, 0, world_size=size, is_master=True, wait_for_workers=False, timeout=timeout)
-    host, port = comm.bcast((host, store.port) if store is not None else None, root=0)
+    hosts = list(comm.allgather(host))
+    master, port = comm.bcast((host, store.port) if store is not None else None, root=0)
     if store is None:
-        store = dist.TCPStore(host, port, world_size=size, is_master=False, timeout=timeout)
-    init_distributed(rank, size, store=store)
+        store = dist.TCPStore(master, port, world_size=size, is_master=False, timeout=timeout)
+    init_distributed(rank, size, store=store, local_rank=hosts[:rank].count(host), local_size=hosts.count(host))
