@@ -84,8 +84,9 @@ def low_latency_available() -> bool:
 
 def _gpu_record(device: torch.device) -> bytes:
     """This rank's GPU for `gather_host_records`: its index (4 bytes, for peer access) and a digest of its
-    UUID (16 bytes: processes that each see one GPU all report index 0)."""
-    uuid = str(torch.cuda.get_device_properties(device).uuid).encode()
+    UUID (16 bytes: processes that each see one GPU all report index 0; the index where a torch build
+    has no UUID)."""
+    uuid = str(getattr(torch.cuda.get_device_properties(device), "uuid", device.index)).encode()
     return device.index.to_bytes(4, "little") + hashlib.blake2b(uuid, digest_size=16).digest()
 
 
