@@ -460,3 +460,35 @@ def test_even_sharing_is_judged_per_host_and_by_gpu_identity() -> None:
     uneven_b = [(b"host-b", _gpu(index, 9 + index)) for index in (0, 1, 0)]
     with pytest.raises(RuntimeError, match=r"host 1 .*GPU 0: ranks \[4, 6\]; GPU 1: ranks \[5\]"):
         check_even_gpu_sharing(per_process_view + uneven_b)
+
+
+def test_a_step_that_cannot_time_out_ends_the_process_after_the_timeout() -> None:
+    """NVSHMEM's initialisation has no timeout and cannot be interrupted: past `MOE_EP_TIMEOUT_S` the
+    process exits with the reason and its Python stacks instead of hanging."""
+    program = textwrap.dedent("""
+        import time
+        from moe_ep.ops.backends.cuda_low_latency import run_within_timeout
+        def stuck_in_nvshmem():
+            time.sleep(60)
+        run_within_timeout(stuck_in_nvshmem, 1.0, "NVSHMEM's initialisation")
+    """)
+    started = time.monotonic()
+    done = subprocess.run([sys.executable, "-c", program], capture_output=True, text=True, timeout=60)
+    assert done.returncode == 1, done.stderr
+    assert time.monotonic() - started < 20
+    assert "moe_ep: NVSHMEM's initialisation did not finish within 1 s (MOE_EP_TIMEOUT_S)" in done.stderr
+    assert "stuck_in_nvshmem" in done.stderr  # the stacks show where it waited
+
+
+def test_a_step_within_the_timeout_returns_or_raises_as_it_would() -> None:
+    from moe_ep.ops.backends.cuda_low_latency import run_within_timeout
+
+    calls = []
+    run_within_timeout(lambda: calls.append(1), 30, "a quick step")
+    assert calls == [1]
+
+    def fails() -> None:
+        raise RuntimeError("nvshmemx_init_attr failed")
+
+    with pytest.raises(RuntimeError, match="nvshmemx_init_attr failed"):
+        run_within_timeout(fails, 30, "a failing step")
