@@ -463,7 +463,7 @@ def test_even_sharing_is_judged_per_host_and_by_gpu_identity() -> None:
 
 
 def test_a_step_that_cannot_time_out_ends_the_process_after_the_timeout() -> None:
-    """NVSHMEM's initialisation has no timeout and cannot be interrupted: past `MOE_EP_TIMEOUT_S` the
+    """NVSHMEM's initialisation has no timeout and cannot be interrupted: past `MOE_EP_INIT_TIMEOUT_S` the
     process exits with the reason and its Python stacks instead of hanging."""
     program = textwrap.dedent("""
         import time
@@ -476,7 +476,7 @@ def test_a_step_that_cannot_time_out_ends_the_process_after_the_timeout() -> Non
     done = subprocess.run([sys.executable, "-c", program], capture_output=True, text=True, timeout=60)
     assert done.returncode == 1, done.stderr
     assert time.monotonic() - started < 20
-    assert "moe_ep: NVSHMEM's initialisation did not finish within 1 s (MOE_EP_TIMEOUT_S)" in done.stderr
+    assert "moe_ep: NVSHMEM's initialisation did not finish within 1 s (MOE_EP_INIT_TIMEOUT_S)" in done.stderr
     assert "stuck_in_nvshmem" in done.stderr  # the stacks show where it waited
 
 

@@ -10,7 +10,7 @@ from moe_ep.ops.settings import Settings, reload, settings
 
 @pytest.fixture(autouse=True)
 def _fresh_settings(monkeypatch: pytest.MonkeyPatch):
-    for name in ("MOE_EP_TIMEOUT_S", "MOE_EP_CHECK_VALUES", "MOE_EP_LOW_LATENCY_TRANSPORT"):
+    for name in ("MOE_EP_TIMEOUT_S", "MOE_EP_INIT_TIMEOUT_S", "MOE_EP_CHECK_VALUES", "MOE_EP_LOW_LATENCY_TRANSPORT"):
         monkeypatch.delenv(name, raising=False)
     yield
     monkeypatch.undo()
@@ -18,21 +18,24 @@ def _fresh_settings(monkeypatch: pytest.MonkeyPatch):
 
 
 def test_defaults_without_variables() -> None:
-    assert reload() == Settings(timeout_s=100.0, check_values=True, low_latency_transport="auto")
+    assert reload() == Settings(timeout_s=100.0, init_timeout_s=600.0, check_values=True, low_latency_transport="auto")
 
 
 def test_values_are_read_once_until_reload(monkeypatch: pytest.MonkeyPatch) -> None:
     reload()
     monkeypatch.setenv("MOE_EP_TIMEOUT_S", "2.5")
+    monkeypatch.setenv("MOE_EP_INIT_TIMEOUT_S", "30")
     monkeypatch.setenv("MOE_EP_CHECK_VALUES", "0")
     monkeypatch.setenv("MOE_EP_LOW_LATENCY_TRANSPORT", "nvshmem_puts")
     assert settings().timeout_s == 100.0  # not read again on use
-    assert reload() == Settings(timeout_s=2.5, check_values=False, low_latency_transport="nvshmem_puts")
+    assert reload() == Settings(timeout_s=2.5, init_timeout_s=30.0, check_values=False,
+                                low_latency_transport="nvshmem_puts")
     assert settings() is settings()
 
 
 @pytest.mark.parametrize("name, value", [
     ("MOE_EP_TIMEOUT_S", "ten"), ("MOE_EP_TIMEOUT_S", "0"), ("MOE_EP_TIMEOUT_S", "-3"), ("MOE_EP_TIMEOUT_S", "inf"),
+    ("MOE_EP_INIT_TIMEOUT_S", "0"),
     ("MOE_EP_CHECK_VALUES", "no"), ("MOE_EP_CHECK_VALUES", ""), ("MOE_EP_LOW_LATENCY_TRANSPORT", "ibgda"),
 ])
 def test_a_malformed_value_names_its_variable_and_keeps_the_settings(monkeypatch: pytest.MonkeyPatch, name: str,

@@ -7,6 +7,9 @@
 |                                |         | torch backend's agreement and collectives, the CUDA kernels     |
 |                                |         | (normal and low-latency mode) and the launcher's process group; |
 |                                |         | a positive number                                               |
+| `MOE_EP_INIT_TIMEOUT_S`        | `600`   | seconds NVSHMEM's initialisation may take (it has no timeout of |
+|                                |         | its own and cannot be interrupted: past it the process exits    |
+|                                |         | with status 1 and its Python stacks); a positive number         |
 | `MOE_EP_CHECK_VALUES`          | `1`     | `0` skips the front end's checks of tensor values (expert ids   |
 |                                |         | in range, no repeats), which read device data                   |
 | `MOE_EP_LOW_LATENCY_TRANSPORT` | `auto`  | low-latency module: `auto`, `p2p`, `nvshmem` or `nvshmem_puts`  |
@@ -27,6 +30,7 @@ from dataclasses import dataclass
 from typing import Mapping, Optional
 
 TIMEOUT_ENV = "MOE_EP_TIMEOUT_S"
+INIT_TIMEOUT_ENV = "MOE_EP_INIT_TIMEOUT_S"
 CHECK_VALUES_ENV = "MOE_EP_CHECK_VALUES"
 LOW_LATENCY_TRANSPORT_ENV = "MOE_EP_LOW_LATENCY_TRANSPORT"
 LOW_LATENCY_TRANSPORTS = ("auto", "p2p", "nvshmem", "nvshmem_puts")
@@ -38,6 +42,7 @@ class Settings:
     """What the environment asked for; `Settings()` holds the defaults."""
 
     timeout_s: float = 100.0  # DeepEP's kernels give up after about 100 s too
+    init_timeout_s: float = 600.0  # NVSHMEM's start across many nodes takes far longer than one wait
     check_values: bool = True
     low_latency_transport: str = "auto"
     num_ranks_per_node: Optional[int] = None  # checked against the group size by `moe_ep.ops.topology`
@@ -48,6 +53,7 @@ class Settings:
         defaults = cls()
         return cls(
             timeout_s=_positive_seconds(environ, TIMEOUT_ENV, defaults.timeout_s),
+            init_timeout_s=_positive_seconds(environ, INIT_TIMEOUT_ENV, defaults.init_timeout_s),
             check_values=_switch(environ, CHECK_VALUES_ENV, defaults.check_values),
             low_latency_transport=_choice(environ, LOW_LATENCY_TRANSPORT_ENV, LOW_LATENCY_TRANSPORTS,
                                           defaults.low_latency_transport),

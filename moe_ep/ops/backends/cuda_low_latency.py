@@ -51,7 +51,7 @@ import torch.distributed as dist
 
 from ..handles import LowLatencyHandle
 from ..requests import LowLatencyCombineRequest, LowLatencyDispatchRequest
-from ..settings import settings
+from ..settings import INIT_TIMEOUT_ENV, settings
 from ..topology import gather_host_records
 from .base import LowLatencyDispatchResult, RecvHook
 from .collectives import broadcast_bytes
@@ -176,23 +176,23 @@ def _join(group: dist.ProcessGroup, rank: int, num_ranks: int, device: torch.dev
     runtime = _ext().NvshmemRuntime
     unique_id = runtime.create_unique_id() if rank == 0 else None
     unique_id = broadcast_bytes(unique_id, runtime.unique_id_bytes(), group, device)
-    run_within_timeout(lambda: runtime.init(unique_id, rank, num_ranks), settings().timeout_s,
+    run_within_timeout(lambda: runtime.init(unique_id, rank, num_ranks), settings().init_timeout_s,
                        "NVSHMEM's initialisation (every rank of the group must reach it, with the GPUs of each host "
                        "holding the same number of ranks)")
 
 
 def run_within_timeout(fn: Callable[[], None], timeout_s: float, what: str) -> None:
-    """Run `fn`, a collective step with no timeout of its own that cannot be interrupted (it runs in C++
-    with the GIL released), such as NVSHMEM's initialisation. If it has not returned after `timeout_s`,
-    this process cannot go on: the reason and every thread's Python stack go to stderr and the process
-    exits with status 1, so that its launcher or scheduler sees a failure instead of a hang (as torch's
-    NCCL watchdog does)."""
+    """Run `fn`, NVSHMEM's initialisation: a collective step with no timeout of its own that cannot be
+    interrupted (it runs in C++ with the GIL released). If it has not returned after `timeout_s`
+    (`MOE_EP_INIT_TIMEOUT_S`), this process cannot go on: the reason and every thread's Python stack go to
+    stderr and the process exits with status 1, so that its launcher or scheduler sees a failure instead
+    of a hang (as torch's NCCL watchdog does)."""
     finished = threading.Event()
 
     def watch() -> None:
         if not finished.wait(timeout_s):
-            sys.stderr.write(f"moe_ep: {what} did not finish within {timeout_s:g} s (MOE_EP_TIMEOUT_S); it cannot be "
-                             "interrupted, so this process exits. Python stacks:\n")
+            sys.stderr.write(f"moe_ep: {what} did not finish within {timeout_s:g} s ({INIT_TIMEOUT_ENV}); it cannot "
+                             "be interrupted, so this process exits. Python stacks:\n")
             faulthandler.dump_traceback(all_threads=True)
             sys.stderr.flush()
             os._exit(1)
