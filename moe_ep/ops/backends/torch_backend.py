@@ -121,6 +121,30 @@ def _as_bytes(tensor: torch.Tensor) -> torch.Tensor:
     return tensor.contiguous().view(tensor.size(0), row_elements).view(torch.uint8)
 
 
+def _as_words(*matrices: torch.Tensor) -> list[torch.Tensor]:
+    """uint8 `[N, W]` matrices (contiguous rows) viewed as the widest integers that tile a row of each: a
+    gather or scatter of rows then moves the same bytes several times faster than byte by byte, on CPUs
+    and GPUs."""
+    for dtype in (torch.int64, torch.int32, torch.int16):
+        size = dtype.itemsize
+        if all(m.size(1) % size == 0 and m.stride(0) % size == 0 and m.storage_offset() % size == 0
+               for m in matrices):
+            return [m.view(dtype) for m in matrices]
+    return list(matrices)
+
+
+def _take_rows(rows: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
+    """`rows[index]` of a uint8 `[N, W]` matrix."""
+    (words,) = _as_words(rows)
+    return words.index_select(0, index).view(torch.uint8)
+
+
+def _put_rows(rows: torch.Tensor, index: torch.Tensor, values: torch.Tensor) -> None:
+    """`rows[index] = values` for uint8 `[N, W]` matrices (`index` without repeats)."""
+    words, value_words = _as_words(rows, values)
+    words.index_copy_(0, index, value_words)
+
+
 class _RowCodec:
     """Packs several per-row tensors into one uint8 matrix so one collective moves them all.
 
@@ -144,7 +168,7 @@ class _RowCodec:
              extra: Optional[torch.Tensor] = None) -> torch.Tensor:
         """Rows `index` (all rows if None) of every tensor, side by side as bytes (FP8 moves as bytes too),
         then `extra` (uint8 `[rows, extra_bytes]`, already one row per packed row) and the padding."""
-        parts = [_as_bytes(t) if index is None else _as_bytes(t)[index] for t in tensors]
+        parts = [_as_bytes(t) if index is None else _take_rows(_as_bytes(t), index) for t in tensors]
         if self.extra_bytes:
             assert extra is not None and extra.shape == (parts[0].size(0), self.extra_bytes)
             parts.append(extra.to(torch.uint8))
@@ -416,7 +440,8 @@ class TorchBackend(CommBackend):
             if request.dispatch_wait_recv_cost_stats is not None:
                 _add_wait_time(request.dispatch_wait_recv_cost_stats, recv_counts, time.perf_counter_ns() - started)
             received = codec.unpack(recv_rows)
-            recv_x.view(torch.uint8).view(-1, received[0].element_size() * hidden)[rows] = _as_bytes(received[0])
+            _put_rows(recv_x.view(torch.uint8).view(-1, received[0].element_size() * hidden), rows,
+                      _as_bytes(received[0]))
             if recv_scales is not None:
                 recv_scales[rows // slots, rows % slots] = received[1]
             src_info.view(-1)[rows] = received[-1]
@@ -439,8 +464,8 @@ class TorchBackend(CommBackend):
         send_counts = back_counts.tolist()
         recv_counts = pairs.count_per_expert.view(self.num_ranks, num_local).sum(1).tolist()
         self._agree_sizes(send_counts, recv_counts, _MIXED_TOPK)
-        send = x.reshape(-1, x.size(-1))[rows]
-        expert_out, work = self._all_to_all(_as_bytes(send), send_counts, recv_counts, async_op=True)
+        send = _take_rows(_as_bytes(x.reshape(-1, x.size(-1))), rows)
+        expert_out, work = self._all_to_all(send, send_counts, recv_counts, async_op=True)
         op = self._op  # the hook may run after later operations started
 
         num_tokens, num_topk = topk_idx.shape
@@ -553,11 +578,15 @@ def _handle_counts(handle: DispatchHandle, rank: int) -> tuple[list[int], list[i
 def _sum_in_rank_order(
     acc: torch.Tensor, rows: torch.Tensor, dest: torch.Tensor, token: torch.Tensor, num_ranks: int
 ) -> torch.Tensor:
-    """Add each rank's returned rows to their tokens, rank by rank (fixed float32 summation order)."""
+    """Add each rank's returned rows to their tokens, rank by rank (fixed float32 summation order). `dest`
+    is ascending (`routing.send_order`), so each rank's rows are one slice, added without copying them (one
+    read of the slice bounds, where masks would copy the rows and read the device once per rank)."""
     rows = rows.to(acc.dtype)
-    for rank in range(num_ranks):
-        mine = dest == rank
-        acc.index_add_(0, token[mine], rows[mine])
+    ends = torch.searchsorted(dest, torch.arange(1, num_ranks + 1, dtype=dest.dtype, device=dest.device)).tolist()
+    start = 0
+    for end in ends:
+        acc.index_add_(0, token[start:end], rows[start:end])
+        start = end
     return acc
 
 
