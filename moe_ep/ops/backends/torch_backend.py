@@ -155,7 +155,8 @@ class _RowCodec:
     def __init__(self, templates: Sequence[tuple[torch.dtype, tuple[int, ...]]], extra_bytes: int = 0,
                  align: int = 1) -> None:
         self.templates = list(templates)
-        self.widths = [torch.Size(shape).numel() * torch.empty((), dtype=dtype).element_size() for dtype, shape in templates]
+        self.widths = [torch.Size(shape).numel() * torch.empty((), dtype=dtype).element_size()
+                       for dtype, shape in templates]
         self.data_bytes = sum(self.widths)
         self.extra_bytes = extra_bytes
         self.row_bytes = -(-(self.data_bytes + extra_bytes) // align) * align
@@ -544,7 +545,8 @@ class TorchBackend(CommBackend):
         device = handle.layout_range.device
         key = (num_local, slots, handle.hidden, device)
         if key not in self._combine_buffers:
-            self._combine_buffers[key] = torch.zeros(num_local, slots, handle.hidden, dtype=torch.bfloat16, device=device)
+            self._combine_buffers[key] = torch.zeros(num_local, slots, handle.hidden, dtype=torch.bfloat16,
+                                                     device=device)
         return self._combine_buffers[key]
 
     def clean_low_latency_buffer(self, num_max_dispatch_tokens_per_rank: int, hidden: int, num_experts: int) -> None:
