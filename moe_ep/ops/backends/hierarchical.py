@@ -27,8 +27,8 @@ from ..requests import CombineRequest, DispatchRequest
 from ..topology import NodeTopology, node_mask
 from .agreement import check_same_settings
 from .base import DispatchResult
-from .torch_backend import (TorchBackend, _handle_counts, _pad_rows, _RowCodec, _sum_in_rank_order, dispatch_payload,
-                            rank_handle, recv_tokens_per_expert, unpack_dispatched)
+from .torch_backend import (TorchBackend, _handle_counts, _pad_rows, _RowCodec, _sum_in_rank_order, _take_rows,
+                            dispatch_payload, rank_handle, recv_tokens_per_expert, unpack_dispatched)
 
 
 class NodeGroups(NamedTuple):
@@ -227,8 +227,8 @@ class InternodePath:
         the final (source-rank-major) order."""
         _, row = routing.send_order(forward)
         order, from_forwarders = _arrival_order(counts_to_me, self.topology, rail_rows.device)
-        received = self._node_leg(rail_rows[row], forward.sum(0).tolist(), from_forwarders, config)
-        return received[order]
+        received = self._node_leg(_take_rows(rail_rows, row), forward.sum(0).tolist(), from_forwarders, config)
+        return _take_rows(received, order)
 
     def _node_leg(self, rows: torch.Tensor, send_counts: list[int], recv_counts: list[int],
                   config: Config) -> torch.Tensor:

@@ -127,8 +127,8 @@ def _as_words(*matrices: torch.Tensor) -> list[torch.Tensor]:
     and GPUs."""
     for dtype in (torch.int64, torch.int32, torch.int16):
         size = dtype.itemsize
-        if all(m.size(1) % size == 0 and m.stride(0) % size == 0 and m.storage_offset() % size == 0
-               for m in matrices):
+        if all(m.size(1) % size == 0 and m.stride(1) == 1 and m.stride(0) % size == 0
+               and m.storage_offset() % size == 0 for m in matrices):
             return [m.view(dtype) for m in matrices]
     return list(matrices)
 
