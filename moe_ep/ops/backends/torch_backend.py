@@ -169,6 +169,10 @@ class _RowCodec:
              extra: Optional[torch.Tensor] = None) -> torch.Tensor:
         """Rows `index` (all rows if None) of every tensor, side by side as bytes (FP8 moves as bytes too),
         then `extra` (uint8 `[rows, extra_bytes]`, already one row per packed row) and the padding."""
+        if index is not None and not self.extra_bytes:
+            # Pack every row once, then gather whole packed rows: a dispatch sends a row to several ranks,
+            # so this copies fewer bytes than gathering each tensor and packing the gathered rows.
+            return _take_rows(self.pack(tensors), index)
         parts = [_as_bytes(t) if index is None else _take_rows(_as_bytes(t), index) for t in tensors]
         if self.extra_bytes:
             assert extra is not None and extra.shape == (parts[0].size(0), self.extra_bytes)
