@@ -52,3 +52,20 @@ def test_a_communicator_initialises_the_default_group_over_its_processes() -> No
     finally:
         if dist.is_initialized():
             dist.destroy_process_group()
+
+
+def test_under_torchrun_the_job_is_joined_with_its_local_ranks(monkeypatch: pytest.MonkeyPatch) -> None:
+    """torchrun's variables: the rank joins that job (no processes spawned), its host's ranks counted by
+    `LOCAL_WORLD_SIZE`."""
+    from moe_ep.launch import free_port, launch
+
+    if dist.is_initialized():
+        pytest.skip("torch.distributed is already initialised in this process")
+    for name, value in {"RANK": "0", "WORLD_SIZE": "1", "LOCAL_RANK": "0", "LOCAL_WORLD_SIZE": "1",
+                        "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(free_port())}.items():
+        monkeypatch.setenv(name, value)
+    seen = []
+    launch(lambda rank, world, device: seen.append((rank, world, device.type, dist.get_backend())), 4)
+    expected = ("cuda", "nccl") if torch.cuda.is_available() else ("cpu", "gloo")
+    assert seen == [(0, 1, *expected)]
+    assert not dist.is_initialized()
