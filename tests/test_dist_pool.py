@@ -67,4 +67,3 @@ def test_run_timeout_cap_from_environment(monkeypatch: pytest.MonkeyPatch) -> No
         assert time.monotonic() - started < 2 + POLL_S + 5
     finally:
         pool.close()
-
