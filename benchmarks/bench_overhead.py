@@ -7,7 +7,13 @@ the data's (layout, notify, ring preparation, padding, memsets). Per operation:
   * host: CPU wall time from the call to its return, no synchronization: what a program waits before
     it can go on (a dispatch without num_worst_tokens includes the host's wait for its receive counts,
     which on a shared GPU waits for the peers' turns too); the slowest rank's median;
-  * call+sync: the call followed by torch.cuda.synchronize(), CPU wall time; the slowest rank's median;
+  * call+sync: the call followed by torch.cuda.synchronize(), CPU wall time; the slowest rank's median
+    (both start from an idle GPU, after a synchronize and a barrier: one call's latency, host included);
+  * in a stream: the calls back to back with no sync between them, as a training step issues them (rank
+    0): each call's host time, and its GPU span between CUDA events recorded just before and just after
+    it. Where the host keeps ahead of the GPU the span is the call's GPU work with the gaps inside it;
+    where it does not, the span grows by the host's lateness. "over" is the span beyond the call's
+    longest kernel (the data kernel): what the call adds to it when the host keeps up;
   * every kernel, memset and copy of the call, from a torch profiler trace (rank 0, medians): its GPU
     time, when it started on the GPU and when the host launched it, counted from the call's start
     (under the profiler, whose host is slower); the GPU time the call's work covers, and when its last
@@ -213,6 +219,36 @@ class Timer:
                          "own_us": own / self.args.iters * 1e6, "total_us": total / self.args.iters * 1e6})
         return sorted(rows, key=lambda r: -r["own_us"])[:self.args.host_profile_top]
 
+    def _in_a_stream(self, fn: Callable[[], object], before: Optional[Callable[[], None]]) -> dict[str, Any]:
+        """The calls back to back, as a training step issues them: no sync or barrier between them, so the
+        host runs ahead of the GPU where it can. host: each call's CPU time; span: GPU time from an event
+        recorded just before the call to one just after it (the call's GPU work plus the gaps the host
+        leaves in it); per_call: the burst's wall time, synchronized at its end, over its calls (it
+        includes the untimed work before each call, if any)."""
+        self.settle()
+        iters = self.args.iters
+        events = [(torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True))
+                  for _ in range(iters if self.cuda else 0)]
+        host = []
+        burst_started = time.perf_counter_ns()
+        for i in range(iters):
+            if before is not None:
+                before()
+            if self.cuda:
+                events[i][0].record()
+            started = time.perf_counter_ns()
+            fn()
+            host.append((time.perf_counter_ns() - started) / 1e3)
+            if self.cuda:
+                events[i][1].record()
+        if self.cuda:
+            torch.cuda.synchronize()
+        result: dict[str, Any] = {"host_us": _stats(host),
+                                  "per_call_us": (time.perf_counter_ns() - burst_started) / 1e3 / iters}
+        if self.cuda:
+            result["span_us"] = _stats([start.elapsed_time(end) * 1e3 for start, end in events])
+        return result
+
     def measure(self, fn: Callable[[], object], before: Optional[Callable[[], None]],
                 host_profile: bool = False) -> dict[str, Any]:
         for _ in range(self.args.warmup):
@@ -220,7 +256,8 @@ class Timer:
             fn()
         host = self._wall_us(fn, before, sync=False)
         synced = self._wall_us(fn, before, sync=True)
-        result = {"host_us": _stats(host), "sync_us": _stats(synced), "trace": self._trace(fn, before)}
+        result = {"host_us": _stats(host), "sync_us": _stats(synced), "stream": self._in_a_stream(fn, before),
+                  "trace": self._trace(fn, before)}
         if host_profile:
             result["host_profile"] = self._host_profile(fn, before)
         return result
@@ -286,6 +323,14 @@ def _kernel_cell(kernel: dict[str, Any]) -> str:
     return f"{kernel['name']} {times}{kernel['gpu_us']:.1f} @{kernel['start_us']:.0f}{launched}"
 
 
+def _over_longest_kernel(span_us: Optional[float], kernels: list[dict[str, Any]]) -> Optional[float]:
+    """What a call's GPU span takes beyond its longest kernel (the data kernel): the other kernels, the
+    memsets and the gaps between them."""
+    if span_us is None or not kernels:
+        return None
+    return span_us - max(k["gpu_us"] for k in kernels)
+
+
 def _fmt(value: Optional[float]) -> str:
     return "-" if value is None else f"{value:.1f}"
 
@@ -298,12 +343,18 @@ def table(report: dict[str, Any]) -> str:
              "host: the call on the CPU, no sync; call+sync: with torch.cuda.synchronize() (us, slowest rank's "
              "median); GPU (rank 0, under the profiler): busy = time its work covers, end = its last work ends, "
              "kernels = name [xlaunches per call] us @GPU start/host launch (us from the call's start)",
-             f"{'world':>5}  {'op':20s} {'host':>8} {'call+sync':>10} {'busy':>8} {'end':>8}  kernels"]
+             "in a stream (rank 0, calls back to back, medians): s.host = the call on the CPU, span = GPU "
+             "time from an event before the call to one after it, over = span - the call's longest kernel",
+             f"{'world':>5}  {'op':20s} {'host':>8} {'call+sync':>10} {'s.host':>8} {'span':>8} {'over':>8} "
+             f"{'busy':>8} {'end':>8}  kernels"]
     for rep in report["reports"]:
         for name, op in rep["ops"].items():
-            trace = op["rank0"]["trace"]
+            trace, stream = op["rank0"]["trace"], op["rank0"]["stream"]
             kernels = " | ".join(_kernel_cell(k) for k in trace["kernels"]) or "-"
+            span = stream["span_us"]["median"] if "span_us" in stream else None
+            over = _over_longest_kernel(span, trace["kernels"])
             lines.append(f"{rep['world']:5d}  {name:20s} {op['host_us']:8.1f} {op['sync_us']:10.1f} "
+                         f"{stream['host_us']['median']:8.1f} {_fmt(span):>8} {_fmt(over):>8} "
                          f"{_fmt(trace['gpu_busy_us']):>8} {_fmt(trace['gpu_end_us']):>8}  {kernels}")
     profiled = [(rep["world"], name, op["rank0"]["host_profile"]) for rep in report["reports"]
                 for name, op in rep["ops"].items() if "host_profile" in op["rank0"]]

@@ -250,11 +250,14 @@ fi
 # overheadab: the overhead benchmark on two trees in one call, so that host times compare on one machine
 # (they move by up to 2x between machines of one kind): OVERHEAD_BASE_TREE, a source tree of the base
 # commit carried with the call (e.g. `git archive BASE | tar -x -C build/ab_base`, then carry build/ab_base),
-# is built in place, then both trees are timed in turn, twice (OVERHEAD_AB_WORLDS, default 1).
+# is built in place (its modules OVERHEAD_BASE_MODULES, default the normal and low-latency ones; moe_ep._C
+# alone is quicker where the low-latency calls are left out), then both trees are timed in turn, twice
+# (OVERHEAD_AB_WORLDS, default 1).
 if has overheadab; then
     base=${OVERHEAD_BASE_TREE:?overheadab needs OVERHEAD_BASE_TREE}
     start=$(date +%s)
-    (cd "$base" && MOE_EP_BUILD_CUDA=1 MOE_EP_BUILD_MODULES=moe_ep._C,moe_ep._low_latency,moe_ep._low_latency_p2p \
+    base_modules=${OVERHEAD_BASE_MODULES:-moe_ep._C,moe_ep._low_latency,moe_ep._low_latency_p2p}
+    (cd "$base" && MOE_EP_BUILD_CUDA=1 MOE_EP_BUILD_MODULES=$base_modules \
         MAX_JOBS=$(nproc) $PY setup.py build_ext --inplace > "$OUT/build_base.log" 2>&1)
     summary+=("base build: rc=$? in $(( $(date +%s) - start )) s")
     for round in 1 2; do

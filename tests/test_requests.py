@@ -98,3 +98,16 @@ def test_low_latency_requests() -> None:
     with pytest.raises(ValueError, match="use_logfmt: cannot be combined with zero_copy"):
         validation.low_latency_combine_request(y, topk_idx, weights, handle, True, True, False, False, None, None,
                                                RANKS)
+
+
+def test_dispatch_handle_is_a_six_tuple_that_may_mark_exact_rows() -> None:
+    """A handle unpacks like DeepEP's 6-tuple; only a dispatch's own marking says its rows are exact (no
+    padding), and a handle rebuilt from the six fields or replaced field by field is not marked."""
+    fields = tuple(torch.full((2,), i, dtype=torch.int32) for i in range(6))
+    plain = DispatchHandle(*fields)
+    exact = plain.with_exact_rows()
+    assert not plain.exact_rows and exact.exact_rows and len(exact) == 6
+    assert all(a is b for a, b in zip(exact, fields)) and exact.send_head is fields[5]
+    assert not DispatchHandle(*exact).exact_rows and not exact._replace(send_head=fields[0]).exact_rows
+    rank_prefix, *_ = exact
+    assert rank_prefix is fields[0]

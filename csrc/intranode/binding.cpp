@@ -129,18 +129,41 @@ int row_bytes_of(const Tensor& x) {
     return static_cast<int>(bytes);
 }
 
+// Tensors carved out of one allocation: an allocation costs the host about as much as a kernel launch,
+// and the parts of a call's outputs that users keep or drop together need only one. Each part starts on
+// a 256-byte boundary (the allocator's own alignment), so that the kernels' vector accesses stay aligned.
+struct Part {
+    std::vector<int64_t> shape;
+    at::ScalarType dtype;
+};
+
+std::vector<Tensor> carve(const at::TensorOptions& opts, const std::vector<Part>& parts) {
+    constexpr int64_t kAlign = 256;
+    std::vector<int64_t> offsets, sizes;
+    int64_t total = 0;
+    for (const Part& part : parts) {
+        int64_t bytes = static_cast<int64_t>(c10::elementSize(part.dtype));
+        for (const int64_t d : part.shape) bytes *= d;
+        offsets.push_back(total);
+        sizes.push_back(bytes);
+        total += (bytes + kAlign - 1) / kAlign * kAlign;
+    }
+    const Tensor block = at::empty({total}, opts.dtype(at::kByte));
+    std::vector<Tensor> out;
+    for (size_t i = 0; i < parts.size(); ++i)
+        out.push_back(block.narrow(0, offsets[i], sizes[i]).view(parts[i].dtype).view(parts[i].shape));
+    return out;
+}
+
 std::tuple<Tensor, Tensor, Tensor> get_dispatch_layout(const Tensor& topk_idx, int64_t num_experts,
                                                        int64_t num_ranks) {
     TORCH_CHECK(topk_idx.is_cuda() && topk_idx.scalar_type() == at::kLong && topk_idx.is_contiguous());
-    const auto opts = topk_idx.options();
     const int64_t num_tokens = topk_idx.size(0);
-    // One allocation for all three outputs (an allocation costs as much host time as a launch): the
-    // counts per rank, then per expert (zeroed at once), then the token-to-rank mask.
-    const int64_t count_bytes = sizeof(int) * (num_ranks + num_experts);
-    Tensor bytes = at::empty({count_bytes + num_tokens * num_ranks}, opts.dtype(at::kByte));
-    Tensor counts = bytes.narrow(0, 0, count_bytes).view(at::kInt);
-    Tensor in_rank =
-        bytes.narrow(0, count_bytes, num_tokens * num_ranks).view(at::kBool).view({num_tokens, num_ranks});
+    // One allocation for all three outputs: the counts per rank, then per expert (zeroed at once), then
+    // the token-to-rank mask.
+    const std::vector<Tensor> parts =
+        carve(topk_idx.options(), {{{num_ranks + num_experts}, at::kInt}, {{num_tokens, num_ranks}, at::kBool}});
+    const Tensor &counts = parts[0], &in_rank = parts[1];
     launch_check(kernels::launch_dispatch_layout(topk_idx.data_ptr<int64_t>(), num_tokens, topk_idx.size(1),
                                                  num_experts, num_ranks, in_rank.data_ptr<bool>(),
                                                  counts.data_ptr<int>(), c10::cuda::getCurrentCUDAStream()),
@@ -148,7 +171,9 @@ std::tuple<Tensor, Tensor, Tensor> get_dispatch_layout(const Tensor& topk_idx, i
     return {counts.narrow(0, 0, num_ranks), counts.narrow(0, num_ranks, num_experts), in_rank};
 }
 
-// Outputs of one dispatch: [W, ...] rows, padding filled on the device from the handle's counts.
+// Outputs of one dispatch: [W, ...] rows, padding filled on the device from the handle's counts. Two
+// allocations: the tokens with their FP8 scales (used and freed together), and the per-row metadata
+// (top-k ids and weights, source index: small, and the source index lives on in the handle).
 struct RecvOutputs {
     Tensor x;
     optional<Tensor> scales, topk_idx, topk_weights, src_idx;
@@ -157,11 +182,21 @@ struct RecvOutputs {
 RecvOutputs alloc_recv(const Tensor& x, const optional<Tensor>& scales, int64_t num_rows, int64_t num_topk,
                        bool with_topk, bool with_weights, bool with_src) {
     RecvOutputs out;
-    out.x = at::empty({num_rows, x.size(1)}, x.options());
-    if (scales.has_value()) out.scales = at::empty({num_rows, scales->size(1)}, scales->options());
-    if (with_topk) out.topk_idx = at::empty({num_rows, num_topk}, x.options().dtype(at::kLong));
-    if (with_weights) out.topk_weights = at::empty({num_rows, num_topk}, x.options().dtype(at::kFloat));
-    if (with_src) out.src_idx = at::empty({num_rows}, x.options().dtype(at::kInt));
+    std::vector<Part> tokens{{{num_rows, x.size(1)}, x.scalar_type()}};
+    if (scales.has_value()) tokens.push_back({{num_rows, scales->size(1)}, scales->scalar_type()});
+    std::vector<Tensor> carved = carve(x.options(), tokens);
+    out.x = carved[0];
+    if (scales.has_value()) out.scales = carved[1];
+    std::vector<Part> meta;
+    if (with_topk) meta.push_back({{num_rows, num_topk}, at::kLong});
+    if (with_weights) meta.push_back({{num_rows, num_topk}, at::kFloat});
+    if (with_src) meta.push_back({{num_rows}, at::kInt});
+    if (meta.empty()) return out;
+    carved = carve(x.options(), meta);
+    size_t next = 0;
+    if (with_topk) out.topk_idx = carved[next++];
+    if (with_weights) out.topk_weights = carved[next++];
+    if (with_src) out.src_idx = carved[next++];
     return out;
 }
 
@@ -243,12 +278,12 @@ py::tuple dispatch(NvlRuntime& rt, const Tensor& x, const optional<Tensor>& x_sc
     check_ring_space(rt, C, static_cast<int>(ring_slots), slot_bytes);
 
     const auto stream = c10::cuda::getCurrentCUDAStream();
-    const auto iopts = x.options().dtype(at::kInt);
-    // The handle's three prefix matrices in one allocation.
-    Tensor prefixes = at::empty({R * C + R * R + R * C}, iopts);
-    Tensor channel_prefix = prefixes.narrow(0, 0, R * C).view({R, C});
-    Tensor rank_prefix = prefixes.narrow(0, R * C, R * R).view({R, R});
-    Tensor recv_channel_prefix = prefixes.narrow(0, R * C + R * R, R * C).view({R, C});
+    // The handle's prefix matrices and send_head in one allocation, made before the host waits for the
+    // counts (what is allocated after the wait delays the dispatch kernel's launch).
+    const std::vector<Tensor> handle_parts = carve(
+        x.options(), {{{R, C}, at::kInt}, {{R, R}, at::kInt}, {{R, C}, at::kInt}, {{x.size(0), R}, at::kInt}});
+    const Tensor &channel_prefix = handle_parts[0], &rank_prefix = handle_parts[1];
+    const Tensor &recv_channel_prefix = handle_parts[2], &send_head = handle_parts[3];
     kernels::NotifyArgs n{};
     n.is_token_in_rank = is_token_in_rank.data_ptr<bool>();
     n.num_tokens_per_rank = int_ptr(num_tokens_per_rank);
@@ -261,7 +296,7 @@ py::tuple dispatch(NvlRuntime& rt, const Tensor& x, const optional<Tensor>& x_sc
     n.channel_prefix_matrix = channel_prefix.data_ptr<int>();
     n.rank_prefix_matrix = rank_prefix.data_ptr<int>();
     n.recv_channel_prefix_matrix = recv_channel_prefix.data_ptr<int>();
-    rt.arm_recv_count();
+    rt.arm_recv_count(num_worst_tokens > 0);
 #ifdef MOE_EP_PROFILE
     const auto notify_started = std::chrono::steady_clock::now();
 #endif
@@ -275,7 +310,6 @@ py::tuple dispatch(NvlRuntime& rt, const Tensor& x, const optional<Tensor>& x_sc
 
     RecvOutputs out = alloc_recv(x, x_scales, sizes.num_rows, num_topk, topk_idx.has_value(), topk_weights.has_value(),
                                  true);
-    Tensor send_head = at::empty({x.size(0), R}, iopts);
     kernels::DispatchArgs a = dispatch_args(x, x_scales, is_token_in_rank, channel_prefix, recv_channel_prefix,
                                             rank_prefix, out, static_cast<int>(ring_slots),
                                             static_cast<int>(send_chunk));
@@ -292,8 +326,8 @@ py::tuple dispatch(NvlRuntime& rt, const Tensor& x, const optional<Tensor>& x_sc
 
 py::tuple cached_dispatch(NvlRuntime& rt, const Tensor& x, const optional<Tensor>& x_scales,
                           const Tensor& rank_prefix, const Tensor& channel_prefix, const Tensor& recv_channel_prefix,
-                          const Tensor& is_token_in_rank, int64_t num_rows, int64_t send_chunk, int64_t ring_slots,
-                          int64_t pipeline_lag) {
+                          const Tensor& is_token_in_rank, int64_t num_rows, bool exact_rows, int64_t send_chunk,
+                          int64_t ring_slots, int64_t pipeline_lag) {
     rt.check_usable();
     const int lag = checked_pipeline_lag(pipeline_lag);
     const int C = static_cast<int>(channel_prefix.size(1));
@@ -311,7 +345,9 @@ py::tuple cached_dispatch(NvlRuntime& rt, const Tensor& x, const optional<Tensor
 #ifdef MOE_EP_PROFILE
     g_host_profile.channels[kernels::prof::kDispatch] = C;
 #endif
-    fill_padding(rt, rank_prefix, out, row_bytes, stream);
+    // No padding rows when the handle's dispatch received exactly its rows, unless a num_worst_tokens
+    // dispatch since may have cancelled the data kernels (then every row is padding).
+    if (!exact_rows || rt.dispatch_may_be_cancelled()) fill_padding(rt, rank_prefix, out, row_bytes, stream);
     return py::make_tuple(out.x, out.scales);
 }
 
@@ -330,9 +366,13 @@ py::tuple combine(NvlRuntime& rt, const Tensor& x, const optional<Tensor>& topk_
     check_ring_space(rt, C, static_cast<int>(ring_slots), kernels::combine_slot_bytes(row_bytes, num_topk));
     const int64_t num_tokens = is_token_in_rank.size(0);
     const auto stream = c10::cuda::getCurrentCUDAStream();
-    Tensor combined = at::empty({num_tokens, x.size(1)}, x.options());
+    // The sums and their weights in one allocation.
+    std::vector<Part> parts{{{num_tokens, x.size(1)}, x.scalar_type()}};
+    if (topk_weights.has_value()) parts.push_back({{num_tokens, num_topk}, at::kFloat});
+    const std::vector<Tensor> outputs = carve(x.options(), parts);
+    const Tensor& combined = outputs[0];
     optional<Tensor> combined_weights;
-    if (topk_weights.has_value()) combined_weights = at::empty({num_tokens, num_topk}, x.options().dtype(at::kFloat));
+    if (topk_weights.has_value()) combined_weights = outputs[1];
     kernels::CombineArgs a{};
     a.x = x.data_ptr();
     a.topk_weights = opt_ptr<const float>(topk_weights);

@@ -141,7 +141,10 @@ int NvlRuntime::last_combine_path() const {
     return flags_.host()->combine_path;
 }
 
-void NvlRuntime::arm_recv_count() { flags_.host()->recv_count = -1; }
+void NvlRuntime::arm_recv_count(bool num_worst_tokens) {
+    flags_.host()->recv_count = -1;
+    may_be_cancelled_ = num_worst_tokens;
+}
 
 int NvlRuntime::wait_recv_count() {
     volatile kernels::HostFlags* flags = flags_.host();

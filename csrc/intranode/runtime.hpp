@@ -47,8 +47,12 @@ class NvlRuntime {
     int wait_recv_count();
     // Received slots per local expert, as the notify kernel left them.
     std::vector<int> expert_counts(int num_local_experts) const;
-    // Resets the host flags before a notify kernel runs.
-    void arm_recv_count();
+    // Resets the host flags before a notify kernel runs; `num_worst_tokens`: the dispatch sizes its outputs
+    // itself, so that an overflow may cancel its data kernels (and, until the next notify, those of
+    // every cached dispatch).
+    void arm_recv_count(bool num_worst_tokens);
+    // Whether the latest notify was one of a num_worst_tokens dispatch (see arm_recv_count).
+    bool dispatch_may_be_cancelled() const { return may_be_cancelled_; }
     // kernels::CombinePath of the latest combine kernel that ran (the caller synchronizes first).
     int last_combine_path() const;
 #ifdef MOE_EP_PROFILE
@@ -72,6 +76,7 @@ class NvlRuntime {
     kernels::CommContext comm_{};
     bool connected_ = false;
     bool broken_ = false;
+    bool may_be_cancelled_ = false;
     int overflows_raised_ = 0;  // overflow reports (seq / 2) already raised
 #ifdef MOE_EP_PROFILE
     int64_t* profile_ = nullptr;  // device memory, kernels::prof::kInt64s values

@@ -7,18 +7,32 @@ from typing import NamedTuple, Optional
 import torch
 
 
-class DispatchHandle(NamedTuple):
-    """Layout of one normal-mode dispatch, reused by cached dispatch and by combine.
-
-    On the receiving side rows are laid out source-rank-major, then in the sender's token order.
-    """
-
+class _DispatchHandleFields(NamedTuple):
     rank_prefix_matrix: torch.Tensor  # [R_src, R_dst] int32, inclusive prefix over source ranks
     channel_prefix_matrix: torch.Tensor  # [R_dst, C] int32, sender side, inclusive prefix over channels
     recv_channel_prefix_matrix: torch.Tensor  # [R_src, C] int32, receiver side, start row per block
     recv_src_idx: torch.Tensor  # [N_recv] int32, token index on its source rank (-1 for padding rows)
     is_token_in_rank: torch.Tensor  # [T, R] bool, sender side
     send_head: torch.Tensor  # [T, R] int32, row inside the block sent to each rank, -1 if not sent
+
+
+class DispatchHandle(_DispatchHandleFields):
+    """Layout of one normal-mode dispatch, reused by cached dispatch and by combine; a 6-tuple like DeepEP's.
+
+    On the receiving side rows are laid out source-rank-major, then in the sender's token order.
+    Besides its six fields, a handle made by a dispatch without `num_worst_tokens` carries
+    `exact_rows=True`: it describes exactly the rows received, none of padding, so that a cached dispatch
+    with it needs no padding pass. A handle rebuilt from the six fields has False (padding is then
+    written wherever the counts leave rows over).
+    """
+
+    exact_rows: bool = False
+
+    def with_exact_rows(self) -> "DispatchHandle":
+        """This handle, marked as describing exactly the rows its dispatch received."""
+        handle = DispatchHandle(*self)
+        handle.exact_rows = True
+        return handle
 
 
 class InternodeDispatchHandle(NamedTuple):

@@ -419,6 +419,48 @@ def test_num_worst_tokens_overflow_raises_everywhere(gpu_pool, scenario: str) ->
     gpu_pool(world).run(_compare_backends, asdict(Case("after_overflow", hidden=256, num_worst_extra=0)))
 
 
+def _exact_handle_after_overflow(rank: int, world: int) -> str:
+    """A cached dispatch skips the padding pass when its handle's dispatch received exactly its rows,
+    but not after a num_worst_tokens dispatch: one that overflows cancels the data kernels of every
+    cached dispatch until the next notify, and their rows must then read as padding (zeros). Issued
+    before the device ran the overflowing notify (the stream sleeps first), the cached dispatch returns
+    zeros and the overflow comes from the next check."""
+    c = Case("exact_after_overflow", hidden=256)
+    buffer = moe_ep.Buffer(dist.group.WORLD, 1 << 26, backend="cuda", explicitly_destroy=True)
+    x, topk_idx, _, num_experts = _inputs(c, rank, world, 7)
+    config = moe_ep.Config(c.config[0], c.config[1], c.config[2], 6, 128)
+    per_rank, _, per_expert, in_rank, _ = buffer.get_dispatch_layout(topk_idx, num_experts)
+    layout = dict(num_tokens_per_rank=per_rank, is_token_in_rank=in_rank, num_tokens_per_expert=per_expert,
+                  topk_idx=topk_idx, config=config)
+    exact = buffer.dispatch(x, **layout)
+    handle = exact[4]
+    assert handle.exact_rows and not buffer.dispatch(x, num_worst_tokens=10_000, **layout)[4].exact_rows
+    assert torch.equal(buffer.dispatch(x, handle=handle, config=config)[0], exact[0]) and exact[0].any()
+    torch.cuda.synchronize()
+    dist.barrier()
+    torch.cuda._sleep(200_000_000)  # about 0.1 s: the host queues the next calls before the notify runs
+    buffer.dispatch(x, num_worst_tokens=1, **layout)  # every rank receives more: cancelled everywhere
+    stale = torch.full_like(exact[0], 7)
+    del stale  # its block, freed with 7s in it, is what the cached dispatch's output is likely to get
+    try:
+        cached = buffer.dispatch(x, handle=handle, config=config)[0]
+        torch.cuda.synchronize()
+        assert cached.shape == exact[0].shape and not cached.any(), "a cancelled cached dispatch left rows unset"
+        buffer.check_errors()
+    except ValueError as exc:
+        message = str(exc)
+    else:
+        raise AssertionError("num_worst_tokens=1: no error")
+    buffer.destroy()
+    return message
+
+
+def test_exact_handle_after_an_overflow_reads_as_padding(gpu_pool) -> None:
+    world = 2
+    for message in gpu_pool(world).run(_exact_handle_after_overflow, timeout=120):
+        assert message.startswith("num_worst_tokens: too small"), message
+
+
 def _absent_peer(rank: int, world: int) -> str:
     os.environ["MOE_EP_TIMEOUT_S"] = "2"
     reload_settings()

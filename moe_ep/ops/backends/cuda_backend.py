@@ -100,6 +100,8 @@ class CudaBackend(CommBackend):
             config.num_max_nvl_chunked_send_tokens, config.num_max_nvl_chunked_recv_tokens, config.pipeline_lag)
         handle = DispatchHandle(rank_prefix, channel_prefix, recv_channel_prefix, recv_src_idx, r.is_token_in_rank,
                                 send_head)
+        if r.num_worst_tokens == 0:
+            handle = handle.with_exact_rows()
         return DispatchResult(recv_x, recv_scales, recv_topk_idx, recv_topk_weights, list(per_expert), handle)
 
     def cached_dispatch(self, request: DispatchRequest) -> tuple[torch.Tensor, Optional[torch.Tensor]]:
@@ -107,7 +109,7 @@ class CudaBackend(CommBackend):
         recv_x, recv_scales = _ext().cached_dispatch(
             self._runtime, request.x, request.x_scales, handle.rank_prefix_matrix, handle.channel_prefix_matrix,
             handle.recv_channel_prefix_matrix, handle.is_token_in_rank, handle.recv_src_idx.numel(),
-            config.num_max_nvl_chunked_send_tokens, config.num_max_nvl_chunked_recv_tokens, config.pipeline_lag)
+            handle.exact_rows, config.num_max_nvl_chunked_send_tokens, config.num_max_nvl_chunked_recv_tokens, config.pipeline_lag)
         return recv_x, recv_scales
 
     def combine(self, request: CombineRequest) -> tuple[torch.Tensor, Optional[torch.Tensor]]:
