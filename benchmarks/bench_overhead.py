@@ -134,10 +134,12 @@ class Workload:
     def ops(self) -> list[Op]:
         w = self
         ops: list[Op] = [("layout", lambda: w.normal.get_dispatch_layout(w.topk_idx, w.num_experts), None)]
+        # The cached dispatch before the num_worst_tokens one, as a Buffer used without num_worst_tokens
+        # runs it (after one with it, a cached dispatch keeps its padding pass: docs/design/intranode.md).
         for label, x in (("bf16", w.x), ("fp8", w.x_fp8)):
             ops += [(f"dispatch {label}", lambda x=x: w.dispatch(x), None),
-                    (f"dispatch {label} worst", lambda x=x: w.dispatch(x, w.num_worst_tokens), None),
-                    (f"cached {label}", lambda x=x: w.normal.dispatch(x, handle=w.handle), None)]
+                    (f"cached {label}", lambda x=x: w.normal.dispatch(x, handle=w.handle), None),
+                    (f"dispatch {label} worst", lambda x=x: w.dispatch(x, w.num_worst_tokens), None)]
         ops.append(("combine bf16", lambda: w.normal.combine(w.recv_x, w.handle, topk_weights=w.recv_weights), None))
         if w.low_latency is not None:
             ops += [("ll dispatch fp8", w.low_latency_dispatch, None),

@@ -252,7 +252,7 @@ fi
 # commit carried with the call (e.g. `git archive BASE | tar -x -C build/ab_base`, then carry build/ab_base),
 # is built in place (its modules OVERHEAD_BASE_MODULES, default the normal and low-latency ones; moe_ep._C
 # alone is quicker where the low-latency calls are left out), then both trees are timed in turn, twice
-# (OVERHEAD_AB_WORLDS, default 1).
+# (OVERHEAD_AB_WORLDS, default 1; OVERHEAD_AB_ARGS, default OVERHEAD_ARGS).
 if has overheadab; then
     base=${OVERHEAD_BASE_TREE:?overheadab needs OVERHEAD_BASE_TREE}
     start=$(date +%s)
@@ -265,7 +265,7 @@ if has overheadab; then
             label=$([[ "$tree" == "$base" ]] && echo base || echo head)
             PYTHONPATH=$tree run_bench "overhead $label $round" "${OVERHEAD_TIMEOUT:-150}" bench_overhead.py \
                 "overhead_${label}_$round.json" --worlds "${OVERHEAD_AB_WORLDS:-1}" --tokens 4096 --hidden 7168 \
-                --experts 256 --topk 8 --timeout 80 ${OVERHEAD_ARGS:-}
+                --experts 256 --topk 8 --timeout 80 ${OVERHEAD_AB_ARGS:-${OVERHEAD_ARGS:-}}
         done
     done
     sed -i '/^USDT:/d' "$OUT/bench.log"

@@ -11,6 +11,7 @@
 #include <cstring>
 #endif
 
+#include "common/binding_outputs.hpp"
 #include "intranode/runtime.hpp"
 
 namespace moe_ep {
@@ -129,44 +130,22 @@ int row_bytes_of(const Tensor& x) {
     return static_cast<int>(bytes);
 }
 
-// Tensors carved out of one allocation: an allocation costs the host about as much as a kernel launch,
-// and the parts of a call's outputs that users keep or drop together need only one. Each part starts on
-// a 256-byte boundary (the allocator's own alignment), so that the kernels' vector accesses stay aligned.
-struct Part {
-    std::vector<int64_t> shape;
-    at::ScalarType dtype;
-};
-
-std::vector<Tensor> carve(const at::TensorOptions& opts, const std::vector<Part>& parts) {
-    constexpr int64_t kAlign = 256;
-    std::vector<int64_t> offsets, sizes;
-    int64_t total = 0;
-    for (const Part& part : parts) {
-        int64_t bytes = static_cast<int64_t>(c10::elementSize(part.dtype));
-        for (const int64_t d : part.shape) bytes *= d;
-        offsets.push_back(total);
-        sizes.push_back(bytes);
-        total += (bytes + kAlign - 1) / kAlign * kAlign;
-    }
-    const Tensor block = at::empty({total}, opts.dtype(at::kByte));
-    std::vector<Tensor> out;
-    for (size_t i = 0; i < parts.size(); ++i)
-        out.push_back(block.narrow(0, offsets[i], sizes[i]).view(parts[i].dtype).view(parts[i].shape));
-    return out;
-}
-
-std::tuple<Tensor, Tensor, Tensor> get_dispatch_layout(const Tensor& topk_idx, int64_t num_experts,
+std::tuple<Tensor, Tensor, Tensor> get_dispatch_layout(NvlRuntime& rt, const Tensor& topk_idx, int64_t num_experts,
                                                        int64_t num_ranks) {
     TORCH_CHECK(topk_idx.is_cuda() && topk_idx.scalar_type() == at::kLong && topk_idx.is_contiguous());
-    const int64_t num_tokens = topk_idx.size(0);
-    // One allocation for all three outputs: the counts per rank, then per expert (zeroed at once), then
-    // the token-to-rank mask.
-    const std::vector<Tensor> parts =
-        carve(topk_idx.options(), {{{num_ranks + num_experts}, at::kInt}, {{num_tokens, num_ranks}, at::kBool}});
-    const Tensor &counts = parts[0], &in_rank = parts[1];
+    rt.check_usable();
+    const int64_t num_tokens = topk_idx.size(0), num_counts = num_ranks + num_experts;
+    // One allocation: the counts per rank, then per expert, the token-to-rank mask, and the kernel's
+    // per-block scratch (at most 128 rows of counts, kept with the outputs rather than allocated apart).
+    const int64_t scratch = kernels::dispatch_layout_blocks(static_cast<int>(num_tokens)) * num_counts;
+    const std::vector<Tensor> parts = carve(
+        topk_idx.options(),
+        {{{num_counts}, at::kInt}, {{num_tokens, num_ranks}, at::kBool}, {{scratch}, at::kInt}});
+    const Tensor &counts = parts[0], &in_rank = parts[1], &partial = parts[2];
     launch_check(kernels::launch_dispatch_layout(topk_idx.data_ptr<int64_t>(), num_tokens, topk_idx.size(1),
                                                  num_experts, num_ranks, in_rank.data_ptr<bool>(),
-                                                 counts.data_ptr<int>(), c10::cuda::getCurrentCUDAStream()),
+                                                 counts.data_ptr<int>(), partial.data_ptr<int>(), rt.layout_ticket(),
+                                                 c10::cuda::getCurrentCUDAStream()),
                  "get_dispatch_layout");
     return {counts.narrow(0, 0, num_ranks), counts.narrow(0, num_ranks, num_experts), in_rank};
 }

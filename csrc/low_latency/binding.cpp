@@ -10,6 +10,7 @@
 
 #include <optional>
 
+#include "common/binding_outputs.hpp"
 #include "low_latency/api.cuh"
 #include "low_latency/nvshmem_runtime.hpp"
 
@@ -68,31 +69,32 @@ ll::Layout layout_for_phases(NvshmemRuntime& rt, int64_t phases, int64_t max_tok
                                      : rt.layout(max_tokens, hidden, num_experts);
 }
 
-// The outputs a dispatch fills, allocated in one call (each allocation from Python costs more than the
-// kernel launch): recv_x, recv_scales (FP8 only; token-dimension contiguous), src_info, layout_range,
-// recv_count.
+// The outputs a dispatch fills, made in one binding call and two allocations (each allocation costs the
+// host about as much as a kernel launch): recv_x with recv_scales (FP8 only; token-dimension contiguous),
+// then the handle's src_info and layout_range with recv_count.
 py::tuple dispatch_outputs(const NvshmemRuntime& rt, const Tensor& x, int64_t max_tokens, int64_t num_experts,
                            int64_t mode) {
     TORCH_CHECK_VALUE(x.dim() == 2, "x: expected [num_tokens, hidden]");
     TORCH_CHECK_VALUE(mode >= 0 && mode <= 2, "mode: expected 0 (bf16), 1 (fp8) or 2 (fp8 ue8m0)");
     const int64_t num_ranks = rt.num_ranks(), num_local = num_experts / num_ranks, hidden = x.size(1);
     const int64_t slots = num_ranks * max_tokens;
-    const auto opts = x.options();
     const auto dispatch_mode = static_cast<ll::Mode>(mode);
     py::object recv_scales = py::none();
     Tensor recv_x;
     if (dispatch_mode == ll::Mode::kBF16) {
-        recv_x = at::empty({num_local, slots, hidden}, opts);
+        recv_x = at::empty({num_local, slots, hidden}, x.options());
     } else {
-        recv_x = at::empty({num_local, slots, hidden}, opts.dtype(at::kFloat8_e4m3fn));
         const bool packed = dispatch_mode == ll::Mode::kFP8UE8M0;
         const int64_t groups = packed ? (hidden / kFp8Block + 3) / 4 : hidden / kFp8Block;
-        recv_scales = py::cast(at::empty({num_local, groups, slots}, opts.dtype(packed ? at::kInt : at::kFloat))
-                                   .transpose(1, 2));
+        const at::ScalarType scale_type = packed ? at::kInt : at::kFloat;
+        const std::vector<Tensor> tokens = carve(
+            x.options(), {{{num_local, slots, hidden}, at::kFloat8_e4m3fn}, {{num_local, groups, slots}, scale_type}});
+        recv_x = tokens[0];
+        recv_scales = py::cast(tokens[1].transpose(1, 2));
     }
-    return py::make_tuple(recv_x, recv_scales, at::empty({num_local, slots}, opts.dtype(at::kInt)),
-                          at::empty({num_local, num_ranks}, opts.dtype(at::kLong)),
-                          at::empty({num_local}, opts.dtype(at::kInt)));
+    const std::vector<Tensor> meta = carve(
+        x.options(), {{{num_local, slots}, at::kInt}, {{num_local, num_ranks}, at::kLong}, {{num_local}, at::kInt}});
+    return py::make_tuple(recv_x, recv_scales, meta[0], meta[1], meta[2]);
 }
 
 void dispatch(NvshmemRuntime& rt, const Tensor& x, const Tensor& topk_idx, const Tensor& recv_x,

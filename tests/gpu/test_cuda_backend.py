@@ -20,7 +20,7 @@ import torch
 import torch.distributed as dist
 
 import moe_ep
-from moe_ep.ops import fp8
+from moe_ep.ops import fp8, routing
 from moe_ep.ops.requests import DispatchRequest
 from moe_ep.ops.settings import reload as reload_settings
 from dist_pool import DistPool, gpu_worlds
@@ -417,6 +417,32 @@ def test_num_worst_tokens_overflow_raises_everywhere(gpu_pool, scenario: str) ->
         assert message.startswith(f"num_worst_tokens: too small, rank {overflowing} receives"), message
     # Other Buffers of the same ranks are unaffected.
     gpu_pool(world).run(_compare_backends, asdict(Case("after_overflow", hidden=256, num_worst_extra=0)))
+
+
+def _layouts_at_every_grid_size(rank: int, world: int) -> None:
+    """The layout kernel counts per block and lets the last block sum the blocks' rows: token counts from
+    none to more than its largest grid covers (grid-stride), skewed experts with masked slots, each
+    called twice (the arrival ticket resets itself), equal to the torch reference."""
+    buffer = moe_ep.Buffer(dist.group.WORLD, 1 << 26, backend="cuda", explicitly_destroy=True)
+    num_experts, topk = 64 * world, 8
+    gen = torch.Generator().manual_seed(31 + rank)
+    for tokens in (0, 1, 255, 257, 5000, 40_000):
+        scores = torch.rand(tokens, num_experts, generator=gen) * torch.linspace(1, 1.5, num_experts)
+        topk_idx = scores.topk(topk, dim=1).indices
+        topk_idx[torch.rand(tokens, topk, generator=gen) < 0.2] = -1
+        want = routing.dispatch_layout(topk_idx, num_experts, world)
+        for _ in range(2):
+            per_rank, per_rdma, per_expert, in_rank, _ = buffer.get_dispatch_layout(topk_idx.cuda(), num_experts)
+            assert per_rdma is None
+            assert_same_bits(per_rank.cpu(), want.num_tokens_per_rank, f"num_tokens_per_rank at {tokens} tokens")
+            assert_same_bits(per_expert.cpu(), want.num_tokens_per_expert, f"num_tokens_per_expert at {tokens} tokens")
+            assert_same_bits(in_rank.cpu(), want.is_token_in_rank, f"is_token_in_rank at {tokens} tokens")
+        assert tokens == 0 or int(want.num_tokens_per_rank.sum()) > 0
+    buffer.destroy()
+
+
+def test_layout_matches_reference_at_every_grid_size(gpu_pool) -> None:
+    gpu_pool(2).run(_layouts_at_every_grid_size, timeout=120)
 
 
 def _exact_handle_after_overflow(rank: int, world: int) -> str:
