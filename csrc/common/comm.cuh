@@ -23,8 +23,6 @@ constexpr int kBarrierEpoch = kNumMaxNvlPeers;                      // barriers 
 // Nonzero while dispatch kernels must move nothing: set by this rank's notify_dispatch from its start
 // until it found every rank's rows within that rank's num_worst_tokens (all ranks reach one verdict).
 constexpr int kDispatchCancelled = kBarrierEpoch + 1;
-// The layout kernel's arrival ticket: written by this rank's layout kernel alone, 0 between launches.
-constexpr int kLayoutTicket = kDispatchCancelled + 1;
 constexpr int kTail = 32;                                           // [C][R] written by senders
 constexpr int kHead = kTail + kNumMaxChannels * kNumMaxNvlPeers;    // [C][R] written by receivers
 constexpr int kNotify = kHead + kNumMaxChannels * kNumMaxNvlPeers;  // [R][kNotifySlot] written by peers

@@ -9,14 +9,10 @@
 
 namespace moe_ep::kernels {
 
-// is_token_in_rank [T, R] and counts [R + E] (num_tokens_per_rank, then num_tokens_per_expert) from
-// topk_idx [T, k], in one launch: `partial` is scratch of dispatch_layout_blocks(T) x (R + E) ints,
-// `ticket` an int that is 0 before the launch and after it (NvlRuntime::layout_ticket). Launches that
-// share a ticket must not overlap (a Buffer's calls never do).
-int dispatch_layout_blocks(int num_tokens);
+// is_token_in_rank [T, R] and counts [R + E] (num_tokens_per_rank, then num_tokens_per_expert: one
+// zeroing) from topk_idx [T, k].
 cudaError_t launch_dispatch_layout(const int64_t* topk_idx, int num_tokens, int num_topk, int num_experts,
-                                   int num_ranks, bool* is_token_in_rank, int* counts, int* partial, int* ticket,
-                                   cudaStream_t stream);
+                                   int num_ranks, bool* is_token_in_rank, int* counts, cudaStream_t stream);
 
 struct NotifyArgs {
     const bool* is_token_in_rank;       // [T, R]

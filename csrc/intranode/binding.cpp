@@ -130,22 +130,18 @@ int row_bytes_of(const Tensor& x) {
     return static_cast<int>(bytes);
 }
 
-std::tuple<Tensor, Tensor, Tensor> get_dispatch_layout(NvlRuntime& rt, const Tensor& topk_idx, int64_t num_experts,
+std::tuple<Tensor, Tensor, Tensor> get_dispatch_layout(const Tensor& topk_idx, int64_t num_experts,
                                                        int64_t num_ranks) {
     TORCH_CHECK(topk_idx.is_cuda() && topk_idx.scalar_type() == at::kLong && topk_idx.is_contiguous());
-    rt.check_usable();
-    const int64_t num_tokens = topk_idx.size(0), num_counts = num_ranks + num_experts;
-    // One allocation: the counts per rank, then per expert, the token-to-rank mask, and the kernel's
-    // per-block scratch (at most 128 rows of counts, kept with the outputs rather than allocated apart).
-    const int64_t scratch = kernels::dispatch_layout_blocks(static_cast<int>(num_tokens)) * num_counts;
-    const std::vector<Tensor> parts = carve(
-        topk_idx.options(),
-        {{{num_counts}, at::kInt}, {{num_tokens, num_ranks}, at::kBool}, {{scratch}, at::kInt}});
-    const Tensor &counts = parts[0], &in_rank = parts[1], &partial = parts[2];
+    const int64_t num_tokens = topk_idx.size(0);
+    // One allocation for all three outputs: the counts per rank, then per expert (zeroed at once), then
+    // the token-to-rank mask.
+    const std::vector<Tensor> parts =
+        carve(topk_idx.options(), {{{num_ranks + num_experts}, at::kInt}, {{num_tokens, num_ranks}, at::kBool}});
+    const Tensor &counts = parts[0], &in_rank = parts[1];
     launch_check(kernels::launch_dispatch_layout(topk_idx.data_ptr<int64_t>(), num_tokens, topk_idx.size(1),
                                                  num_experts, num_ranks, in_rank.data_ptr<bool>(),
-                                                 counts.data_ptr<int>(), partial.data_ptr<int>(), rt.layout_ticket(),
-                                                 c10::cuda::getCurrentCUDAStream()),
+                                                 counts.data_ptr<int>(), c10::cuda::getCurrentCUDAStream()),
                  "get_dispatch_layout");
     return {counts.narrow(0, 0, num_ranks), counts.narrow(0, num_ranks, num_experts), in_rank};
 }

@@ -35,8 +35,6 @@ class NvlRuntime {
     int64_t data_bytes() const { return data_bytes_; }
     // This rank's data region (data_bytes() bytes; the control area follows it).
     uint8_t* data() const { return base_; }
-    // The layout kernel's ticket, in this rank's control area (kernels::launch_dispatch_layout).
-    int* layout_ticket() const { return reinterpret_cast<int*>(base_ + data_bytes_) + kernels::ctrl::kLayoutTicket; }
     // Launch context with CommContext::pipeline_lag (Config.pipeline_lag, 0 for the kernels' defaults).
     kernels::CommContext comm(int pipeline_lag = 0) const;
 

@@ -420,9 +420,9 @@ def test_num_worst_tokens_overflow_raises_everywhere(gpu_pool, scenario: str) ->
 
 
 def _layouts_at_every_grid_size(rank: int, world: int) -> None:
-    """The layout kernel counts per block and lets the last block sum the blocks' rows: token counts from
-    none to more than its largest grid covers (grid-stride), skewed experts with masked slots, each
-    called twice (the arrival ticket resets itself), equal to the torch reference."""
+    """The layout kernel counts per block in shared memory and adds the blocks' counts into the zeroed
+    outputs: token counts from none to 157 blocks, skewed experts (some empty) with masked slots, each
+    called twice, equal to the torch reference."""
     buffer = moe_ep.Buffer(dist.group.WORLD, 1 << 26, backend="cuda", explicitly_destroy=True)
     num_experts, topk = 64 * world, 8
     gen = torch.Generator().manual_seed(31 + rank)

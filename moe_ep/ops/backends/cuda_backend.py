@@ -88,7 +88,7 @@ class CudaBackend(CommBackend):
     # ------------------------------------------------------------------ normal mode
 
     def get_dispatch_layout(self, topk_idx: torch.Tensor, num_experts: int) -> DispatchLayout:
-        per_rank, per_expert, in_rank = _ext().get_dispatch_layout(self._runtime, topk_idx, num_experts, self.num_ranks)
+        per_rank, per_expert, in_rank = _ext().get_dispatch_layout(topk_idx, num_experts, self.num_ranks)
         return DispatchLayout(per_rank, None, per_expert, in_rank)
 
     def dispatch(self, request: DispatchRequest) -> DispatchResult:
