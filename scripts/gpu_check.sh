@@ -82,7 +82,21 @@ if has build; then
         tail -40 "$OUT/build.log"
         exit 1
     fi
-    $PY -c "import moe_ep._C as c, moe_ep._fp8 as g; import importlib; from moe_ep.ops.backends.cuda_low_latency import low_latency_available as ll; print('extensions loaded, sm90:', c.is_sm90_compiled(), 'FP8 kernels run:', g.fp8_grouped_mm_supported(), 'low latency:', ll(), 'P2P module:', ll() and bool(importlib.import_module('moe_ep._low_latency_p2p')))" || exit 1
+    # What the build made loads (only the modules MOE_EP_BUILD_MODULES chose, where it is set).
+    $PY - <<'PYCHECK' || exit 1
+import importlib, os
+from moe_ep.ops.backends.cuda_low_latency import low_latency_available
+chosen = os.environ.get("MOE_EP_BUILD_MODULES", "moe_ep._C,moe_ep._fp8,moe_ep._low_latency_p2p").split(",")
+report = []
+if "moe_ep._C" in chosen:
+    report.append(f"sm90: {importlib.import_module('moe_ep._C').is_sm90_compiled()}")
+if "moe_ep._fp8" in chosen:
+    report.append(f"FP8 kernels run: {importlib.import_module('moe_ep._fp8').fp8_grouped_mm_supported()}")
+report.append(f"low latency: {low_latency_available()}")
+if low_latency_available() and "moe_ep._low_latency_p2p" in chosen:
+    report.append(f"P2P module: {bool(importlib.import_module('moe_ep._low_latency_p2p'))}")
+print("extensions loaded,", ", ".join(report))
+PYCHECK
 fi
 
 if has test; then
