@@ -16,8 +16,8 @@ sys.path.insert(0, str(ROOT / "benchmarks"))
 import call_trace  # noqa: E402
 
 # The plain torch calls that tell the host's speed first, then the Buffer's operations.
-OPS = ["torch add_", "torch zeros", "torch event+wait", "layout", "dispatch bf16", "dispatch bf16 worst",
-       "cached bf16", "dispatch fp8", "dispatch fp8 worst", "cached fp8", "combine bf16", "ll dispatch fp8",
+OPS = ["torch add_", "torch zeros", "torch event+wait", "layout", "dispatch bf16", "cached bf16",
+       "dispatch bf16 worst", "dispatch fp8", "cached fp8", "dispatch fp8 worst", "combine bf16", "ll dispatch fp8",
        "ll combine"]
 
 
@@ -73,5 +73,23 @@ def test_tiny_run_of_every_operation_on_cpu(tmp_path: Path) -> None:
         assert len(op["host_us_per_rank"]) == 2 and 0 < min(op["host_us_per_rank"]) <= op["host_us"], name
         assert op["sync_us"] > 0 and op["rank0"]["trace"]["calls"] == 2, name
         assert op["rank0"]["trace"]["kernels"] == [], name  # nothing runs on a GPU
+        stream = op["rank0"]["stream"]  # the calls back to back: host times, no GPU span on the CPU
+        assert stream["host_us"]["median"] > 0 and stream["per_call_us"] > 0 and "span_us" not in stream, name
     table = proc.stdout[proc.stdout.index("whole Buffer calls"):]
     assert all(f"    2  {name} " in table for name in OPS), table
+
+
+def test_front_end_benchmark_times_every_call_with_the_backend_stubbed(tmp_path: Path) -> None:
+    out = tmp_path / "front_end.json"
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get(
+        "PYTHONPATH", "")])}
+    proc = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "bench_front_end.py"), "--out", str(out),
+                           "--tokens", "64", "--hidden", "256", "--experts", "16", "--topk", "4", "--ll-tokens", "8",
+                           "--iters", "20", "--repeats", "2"], cwd=ROOT, env=env, capture_output=True, text=True,
+                          timeout=240)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    times = json.loads(out.read_text())["us_per_call"]
+    assert list(times) == ["python loop (1000 additions)", "get_dispatch_layout", "dispatch BF16", "dispatch FP8",
+                           "dispatch, cached", "combine", "low-latency dispatch", "low-latency combine"]
+    assert all(0 < t["min"] <= t["median"] for t in times.values()), times
+    assert "dispatch, cached" in proc.stdout
