@@ -109,7 +109,8 @@ class CudaBackend(CommBackend):
         recv_x, recv_scales = _ext().cached_dispatch(
             self._runtime, request.x, request.x_scales, handle.rank_prefix_matrix, handle.channel_prefix_matrix,
             handle.recv_channel_prefix_matrix, handle.is_token_in_rank, handle.recv_src_idx.numel(),
-            handle.exact_rows, config.num_max_nvl_chunked_send_tokens, config.num_max_nvl_chunked_recv_tokens, config.pipeline_lag)
+            handle.exact_rows, config.num_max_nvl_chunked_send_tokens, config.num_max_nvl_chunked_recv_tokens,
+            config.pipeline_lag)
         return recv_x, recv_scales
 
     def combine(self, request: CombineRequest) -> tuple[torch.Tensor, Optional[torch.Tensor]]:
