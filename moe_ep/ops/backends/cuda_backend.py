@@ -106,11 +106,11 @@ class CudaBackend(CommBackend):
 
     def cached_dispatch(self, request: DispatchRequest) -> tuple[torch.Tensor, Optional[torch.Tensor]]:
         handle, config = request.handle, request.config
+        exact_rows = getattr(handle, "exact_rows", False)  # an internode handle has no such mark
         recv_x, recv_scales = _ext().cached_dispatch(
             self._runtime, request.x, request.x_scales, handle.rank_prefix_matrix, handle.channel_prefix_matrix,
-            handle.recv_channel_prefix_matrix, handle.is_token_in_rank, handle.recv_src_idx.numel(),
-            handle.exact_rows, config.num_max_nvl_chunked_send_tokens, config.num_max_nvl_chunked_recv_tokens,
-            config.pipeline_lag)
+            handle.recv_channel_prefix_matrix, handle.is_token_in_rank, handle.recv_src_idx.numel(), exact_rows,
+            config.num_max_nvl_chunked_send_tokens, config.num_max_nvl_chunked_recv_tokens, config.pipeline_lag)
         return recv_x, recv_scales
 
     def combine(self, request: CombineRequest) -> tuple[torch.Tensor, Optional[torch.Tensor]]:
