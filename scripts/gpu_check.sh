@@ -19,7 +19,8 @@
 #     torch._scaled_grouped_mm row-wise (FP8GEMM_TIMEOUT, FP8GEMM_ARGS: e.g. --profile, --shapes deepgemm);
 #     fp8ncu: Nsight Compute on our FP8 GEMM kernels (forward, dgrad, wgrad at the gate/up shapes) and the
 #     row-wise torch._scaled_grouped_mm forward, one launch each after warm-up (benchmarks/fp8_kernel_once.py):
-#     tensor pipe, SM, DRAM and L2 throughput, occupancy, issue slots, warp stalls and the SM clock; reports
+#     tensor pipe, SM, DRAM and L2 throughput, occupancy, issue slots, warp stalls and the SM clock (our kernels
+#     also with SourceCounters: ncu_<label>_source.csv, the SASS with its warp-state samples); reports
 #     and raw CSVs in files.tgz, a table in bench.log (benchmarks/ncu_table.py), one line per kernel in the
 #     summary; where ncu is missing or may not read the counters (ERR_NVGPUCTRPERM), the summary says so
 #     (FP8NCU_TIMEOUT for the whole part, default 150 s; needs the build part, or a build from earlier);
@@ -176,9 +177,10 @@ find_ncu() {
 # where ncu may not read the GPU's counters.
 ncu_profile() {
     local label=$1 op=$2 impl=$3 limit call_left attempt rc name log=$FILES/ncu_$1.log
-    local filter=() select=(--nvtx --nvtx-include "fp8_kernel_once/") dropped
+    local filter=() select=(--nvtx --nvtx-include "fp8_kernel_once/") dropped sections=(--section WarpStateStats)
     # Only our kernel where it is ours; the row-wise op may launch helpers around its GEMM, all in the range.
-    [[ $impl == ours ]] && filter=(-k regex:fp8_grouped_gemm)
+    # Ours also gets SourceCounters: warp-state samples per SASS instruction, to place its stalls.
+    [[ $impl == ours ]] && filter=(-k regex:fp8_grouped_gemm) && sections+=(--section SourceCounters)
     for attempt in 1 2 3; do
         limit=$(( ncu_budget - ($(date +%s) - ncu_start) ))
         call_left=$(( CALL_BUDGET_S - ($(date +%s) - script_start) - 20 ))
@@ -190,7 +192,7 @@ ncu_profile() {
         # kernel, too short to heat the card to its sustained clock: the fp8gemm part measures that one.
         # application-only: the Python process, not the compilers Triton starts.
         MOE_EP_CHECK_VALUES=0 timeout -k 10 "$limit" "$ncu" --target-processes application-only --clock-control none \
-            "${select[@]}" "${filter[@]}" --launch-count 4 --section WarpStateStats --metrics "$NCU_METRICS" \
+            "${select[@]}" "${filter[@]}" --launch-count 4 "${sections[@]}" --metrics "$NCU_METRICS" \
             -f -o "$FILES/ncu_$label" \
             $PY benchmarks/fp8_kernel_once.py --op "$op" --impl "$impl" --proj gate_up --warmup 3 --iters 1 \
             > "$log" 2>&1
@@ -217,6 +219,12 @@ ncu_profile() {
         2>> "$OUT/bench.log" ||
         "$ncu" --import "$FILES/ncu_$label.ncu-rep" --csv --page raw > "$FILES/ncu_$label.csv" 2>> "$OUT/bench.log"
     ncu_tables+=("$op $impl=$FILES/ncu_$label.csv")
+    # The per-instruction view (SASS with its warp-state samples), for reading offline; best effort: an
+    # ncu without the source page only logs an error.
+    if [[ $impl == ours ]]; then
+        "$ncu" --import "$FILES/ncu_$label.ncu-rep" --page source --csv --print-source sass \
+            > "$FILES/ncu_${label}_source.csv" 2>> "$OUT/bench.log" || true
+    fi
 }
 
 if has fp8ncu; then
