@@ -11,21 +11,24 @@
 
 namespace moe_ep::kernels {
 
-// The opt-in dynamic shared memory per block of the current device (0 when it cannot be read).
-inline int shared_memory_optin() {
+// An attribute of the current device, read once per (attribute, device) (0 when it cannot be read).
+inline int device_attribute(cudaDeviceAttr attribute) {
     static std::mutex mutex;
-    static std::map<int, int> per_device;
+    static std::map<std::pair<int, int>, int> cache;
     int device = 0;
     if (cudaGetDevice(&device) != cudaSuccess) return 0;
     const std::lock_guard<std::mutex> lock(mutex);
-    auto it = per_device.find(device);
-    if (it == per_device.end()) {
-        int optin = 0;
-        if (cudaDeviceGetAttribute(&optin, cudaDevAttrMaxSharedMemoryPerBlockOptin, device) != cudaSuccess) return 0;
-        it = per_device.emplace(device, optin).first;
+    auto it = cache.find({static_cast<int>(attribute), device});
+    if (it == cache.end()) {
+        int value = 0;
+        if (cudaDeviceGetAttribute(&value, attribute, device) != cudaSuccess) return 0;
+        it = cache.emplace(std::make_pair(static_cast<int>(attribute), device), value).first;
     }
     return it->second;
 }
+
+// The opt-in dynamic shared memory per block of the current device.
+inline int shared_memory_optin() { return device_attribute(cudaDevAttrMaxSharedMemoryPerBlockOptin); }
 
 // Allow `kernel` `bytes` of dynamic shared memory on the current device. The attribute is a ceiling, so
 // raising it once to the largest size asked so far serves every smaller launch after it.

@@ -2,9 +2,9 @@
 
 The blockwise FP8 grouped GEMM (wgmma) at expert-sized shapes: against float64 references of the
 dequantized math and against the Triton kernel, on skewed segments with empty experts, garbage past
-the last segment, depths that wrap the shared-memory ring many times, more tiles than SMs (several
-waves of blocks), and strided operands. The weight
-cast with its transposed copy: bit for bit the reference and the Triton kernel."""
+the last segment, depths that wrap the shared-memory ring many times, more tiles than SMs (every
+persistent block walks several, its shared-memory ring running on from one tile into the next), and
+strided operands. The weight cast with its transposed copy: bit for bit the reference and the Triton kernel."""
 
 from __future__ import annotations
 
@@ -47,7 +47,7 @@ def operands(seed: int, counts: list[int], depth: int, width: int, tail: int):
     (5, 700, 512, 1024),     # fewer K blocks than stages, many column tiles
     (7, 900, 1536, 640),     # 128-column tiles (640 is no multiple of 256), 12 K blocks
     (1, 130, 128, 128),      # one expert, one K block, a segment one row past a tile
-    # More tiles than SMs (132 on an H100): 336 and 297 tiles with rows, in several waves of blocks,
+    # More tiles than SMs (132 on an H100): 336 and 297 tiles with rows, several per block,
     # K blocks no multiple of the stage count (5 against 4 stages, 7 against 6), empty experts and
     # the zero tail among them.
     (12, 10000, 640, 1024),

@@ -8,15 +8,22 @@
 //     out[e] = (a[:, K_e] * a_scales) @ (b[:, K_e] * b_scales)^T, K_e = [ends[e-1], ends[e]).
 // Both are the same tiles and K loop; only where a tile's rows, K range and output come from differs.
 //
-// A block computes one 128x128 output tile. One producer thread streams the tile's 128x128-byte K
-// blocks of `a` and `b` through a ring of shared-memory stages with TMA, in the 128-byte swizzled
-// layout wgmma reads. Two math warpgroups multiply 64 rows each: every K block goes into a scratch
-// accumulator, which is then added to the FP32 sums times the block's two scales. The scales change
-// from one K block to the next, so one tensor-core accumulation over all of K is not possible; the
-// warpgroups wait for their own products only, so one's scaling overlaps the other's tensor-core work.
+// The kernel is persistent: one block per SM walks the output tiles (128 x 128 or 128 x 256) blockIdx.x,
+// blockIdx.x + gridDim.x, ... One producer warp streams every tile's 128-deep K blocks of `a` and `b`
+// through a ring of shared-memory stages with TMA, in the 128-byte swizzled layout wgmma reads, together
+// with the K block's scales (asynchronous 4-byte copies completing on the same barrier): the ring runs on
+// across tiles, so the next tile's first K blocks land while the math warps still store the last one, and
+// the math warps read scales from shared memory instead of waiting on global loads between tensor-core
+// instructions. Two math warpgroups multiply 64 rows each: every K block goes into a scratch accumulator,
+// which is then added to the FP32 sums times the block's two scales. The scales change from one K block to
+// the next, so one tensor-core accumulation over all of K is not possible; the warpgroups wait for their
+// own products only, so one's scaling overlaps the other's tensor-core work. The sums leave as BF16 in
+// 16-byte stores after the four lanes sharing a row swap their column pairs.
 #include <cuda.h>
 #include <cuda_bf16.h>
 #include <cudaTypedefs.h>
+
+#include <algorithm>
 
 #include "fp8/api.cuh"
 #include "common/common.cuh"
@@ -40,13 +47,10 @@ struct alignas(kSwizzleBytes) GemmSmem {
     static constexpr int kStages = kSmemStages / ((kTile + kBlockN) * kTile);
     uint8_t a[kStages][kTile * kTile];
     uint8_t b[kStages][kBlockN * kTile];
-    uint64_t full[kStages];   // TMA bytes landed
+    float a_scales[kStages][kTile];             // the stage's K block: one per row of the tile
+    float b_scales[kStages][kBlockN / kTile];   // one per 128 columns
+    uint64_t full[kStages];   // TMA bytes and the producer warp's scale copies landed
     uint64_t empty[kStages];  // every math warp done reading
-    int expert;               // num_experts: a tile of zero rows past the last segment
-    int row_begin;
-    int row_end;
-    int k_block_begin;        // the tile's K range, in 128-deep blocks
-    int k_block_end;
 };
 template <int kBlockN>
 constexpr size_t kSmemBytes = sizeof(GemmSmem<kBlockN>) + kSwizzleBytes;  // room to align the base
@@ -60,10 +64,21 @@ constexpr int kProducerRegisters = 40;
 constexpr int kMathRegisters = 232;
 constexpr int kPart = kTile / 2;  // f32 registers per thread of an m64n128 product
 
-// The row tile of launch slot `row_slot`, segments tiled one after another, then the zero tail:
-// (expert, first row, end row). One warp; every lane gets the answer.
+// One output tile: its expert (num_experts for rows past the last segment, written as zeros), rows,
+// K range in 128-deep blocks and column tile.
+struct Tile {
+    int expert;
+    int row_begin;
+    int row_end;
+    int k_block_begin;
+    int k_block_end;
+    int col_tile;
+};
+
+// Grouped by rows, row slot `row_slot`: segments tiled one after another, then the zero tail. One warp;
+// every lane gets the answer.
 MOE_EP_DEVICE void locate_row_tile(const int* ends, int num_experts, int num_rows, int row_slot, int lane,
-                                   int& expert, int& row_begin, int& row_end) {
+                                   Tile& tile) {
     int tiles_before = 0;
     for (int base = 0; base < num_experts; base += 32) {
         const int e = base + lane;
@@ -81,28 +96,39 @@ MOE_EP_DEVICE void locate_row_tile(const int* ends, int num_experts, int num_row
         if (hit) {
             const int src = __ffs(hit) - 1;
             const int tiles_before_expert = __shfl_sync(kFullMask, through - tiles, src);
-            expert = base + src;
-            row_begin = __shfl_sync(kFullMask, seg_begin, src) + (row_slot - tiles_before_expert) * kTile;
-            row_end = min(__shfl_sync(kFullMask, seg_end, src), row_begin + kTile);
+            tile.expert = base + src;
+            tile.row_begin = __shfl_sync(kFullMask, seg_begin, src) + (row_slot - tiles_before_expert) * kTile;
+            tile.row_end = min(__shfl_sync(kFullMask, seg_end, src), tile.row_begin + kTile);
             return;
         }
         tiles_before = __shfl_sync(kFullMask, through, 31);
     }
-    expert = num_experts;
-    row_begin = min(max(ends[num_experts - 1], 0), num_rows) + (row_slot - tiles_before) * kTile;
-    row_end = min(row_begin + kTile, num_rows);
+    tile.expert = num_experts;
+    tile.row_begin = min(max(ends[num_experts - 1], 0), num_rows) + (row_slot - tiles_before) * kTile;
+    tile.row_end = min(tile.row_begin + kTile, num_rows);
 }
 
-// Grouped by depth: launch slot `row_slot` is row tile `row_slot % row_tiles` of expert
-// `row_slot / row_tiles`, whose K blocks are [ends[e-1], ends[e]) / 128 (clamped to the depth).
-MOE_EP_DEVICE void locate_depth_tile(const Fp8GroupedGemmArgs& args, int row_slot, int& expert, int& row_begin,
-                                     int& k_block_begin, int& k_block_end) {
-    const int row_tiles = args.num_rows / kTile;
-    expert = row_slot / row_tiles;
-    row_begin = (row_slot % row_tiles) * kTile;
-    const int k_begin = expert > 0 ? args.ends[expert - 1] : 0;
-    k_block_begin = min(max(k_begin, 0), args.depth) / kTile;
-    k_block_end = max(min(args.ends[expert], args.depth) / kTile, k_block_begin);
+// Tile `index` of the launch; column tiles vary fastest, so the tiles in flight together share rows of
+// `a` and one expert's weight. Grouped by depth, row slot s is row tile s % row_tiles of expert
+// s / row_tiles, whose K blocks are [ends[e-1], ends[e]) / 128 (clamped to the depth). One warp.
+MOE_EP_DEVICE Tile locate_tile(const Fp8GroupedGemmArgs& args, int num_col_tiles, int index, int lane) {
+    Tile tile;
+    tile.col_tile = index % num_col_tiles;
+    const int row_slot = index / num_col_tiles;
+    if (args.group_depth) {
+        const int row_tiles = args.num_rows / kTile;
+        tile.expert = row_slot / row_tiles;
+        tile.row_begin = (row_slot % row_tiles) * kTile;
+        tile.row_end = tile.row_begin + kTile;
+        const int k_begin = tile.expert > 0 ? args.ends[tile.expert - 1] : 0;
+        tile.k_block_begin = min(max(k_begin, 0), args.depth) / kTile;
+        tile.k_block_end = max(min(args.ends[tile.expert], args.depth) / kTile, tile.k_block_begin);
+    } else {
+        locate_row_tile(args.ends, args.num_experts, args.num_rows, row_slot, lane, tile);
+        tile.k_block_begin = 0;
+        tile.k_block_end = args.depth / kTile;
+    }
+    return tile;
 }
 
 MOE_EP_DEVICE void mbar_spin(uint64_t* bar, uint32_t parity) {
@@ -125,6 +151,16 @@ MOE_EP_DEVICE void tma_load_3d(void* dst, const CUtensorMap* map, uint64_t* bar,
         "l"(map), "r"(smem_addr(bar)), "r"(x), "r"(y), "r"(z)
         : "memory");
 }
+
+// A 4-byte asynchronous copy into shared memory, and an arrival on `bar` once every such copy of this
+// thread has landed (`noinc`: the barrier's count includes these arrivals).
+MOE_EP_DEVICE void cp_async_4(void* dst, const void* src) {
+    asm volatile("cp.async.ca.shared.global [%0], [%1], 4;" ::"r"(smem_addr(dst)), "l"(src) : "memory");
+}
+MOE_EP_DEVICE void cp_async_arrive_noinc(uint64_t* bar) {
+    asm volatile("cp.async.mbarrier.arrive.noinc.shared::cta.b64 [%0];" ::"r"(smem_addr(bar)) : "memory");
+}
+MOE_EP_DEVICE void cp_async_wait_all() { asm volatile("cp.async.wait_all;" ::: "memory"); }
 
 // wgmma shared-memory descriptor of a K-major operand tile in the 128-byte swizzled layout: start
 // address, 8-row groups 1024 bytes apart, swizzle mode 1 (128 B). The leading offset is unused there.
@@ -166,12 +202,46 @@ MOE_EP_DEVICE void fence_accumulator(float (&d)[kPart]) {
     for (int i = 0; i < kPart; ++i) asm volatile("" : "+f"(d[i])::"memory");
 }
 
+// Zeros over rows [row_begin, row_end) of a column tile, by the math warpgroups' threads.
 template <int kBlockN>
 MOE_EP_DEVICE void zero_rows(__nv_bfloat16* out, int64_t out_row_stride, int row_begin, int row_end) {
     constexpr int kVectorsPerRow = kBlockN * sizeof(__nv_bfloat16) / sizeof(int4);
-    for (int i = threadIdx.x; i < (row_end - row_begin) * kVectorsPerRow; i += kThreads) {
+    for (int i = threadIdx.x; i < (row_end - row_begin) * kVectorsPerRow; i += kMathWarpgroups * 128) {
         int4* row = reinterpret_cast<int4*>(out + (row_begin + i / kVectorsPerRow) * out_row_stride);
         row[i % kVectorsPerRow] = make_int4(0, 0, 0, 0);
+    }
+}
+
+MOE_EP_DEVICE uint32_t pack_bf16x2(float lo, float hi) {
+    const __nv_bfloat162 v = __floats2bfloat162_rn(lo, hi);
+    return *reinterpret_cast<const uint32_t*>(&v);
+}
+
+// One row of a thread's sums as BF16 (`half` 0: the registers 4j, 4j+1; 1: 4j+2, 4j+3). Lane q of the
+// four sharing the row holds columns 8j + 2q, +1; for every 32 columns the four swap pairs so that lane q
+// holds columns 8q .. 8q+7 of them and writes them in one 16-byte store. Every lane takes part in the
+// swaps; only `valid` rows are written.
+template <int kAccum>
+MOE_EP_DEVICE void store_row(const float (&acc)[kAccum], int half, __nv_bfloat16* row, bool valid, int q) {
+#pragma unroll
+    for (int g = 0; g < kAccum / 16; ++g) {
+        uint32_t mine[4], gathered[4];
+#pragma unroll
+        for (int i = 0; i < 4; ++i) mine[i] = pack_bf16x2(acc[16 * g + 4 * i + 2 * half], acc[16 * g + 4 * i + 2 * half + 1]);
+#pragma unroll
+        for (int r = 0; r < 4; ++r) {
+            // Send lane q^r the pair it gathers from this lane; receive this lane's pair from lane q^r.
+            const int peer = q ^ r;
+            const uint32_t send = peer == 0 ? mine[0] : peer == 1 ? mine[1] : peer == 2 ? mine[2] : mine[3];
+            const uint32_t got = __shfl_xor_sync(kFullMask, send, r);
+#pragma unroll
+            for (int p = 0; p < 4; ++p) {
+                if (p == peer) gathered[p] = got;
+            }
+        }
+        if (valid) {
+            *reinterpret_cast<uint4*>(row + 32 * g + 8 * q) = make_uint4(gathered[0], gathered[1], gathered[2], gathered[3]);
+        }
     }
 }
 #endif
@@ -179,7 +249,7 @@ MOE_EP_DEVICE void zero_rows(__nv_bfloat16* out, int64_t out_row_stride, int row
 template <int kBlockN>
 __global__ void __launch_bounds__(kThreads, 1)
     fp8_grouped_gemm_kernel(const __grid_constant__ CUtensorMap a_map, const __grid_constant__ CUtensorMap b_map,
-                            const Fp8GroupedGemmArgs args) {
+                            const Fp8GroupedGemmArgs args, int num_tiles) {
 #if defined(__CUDA_ARCH_FEAT_SM90_ALL)
     using Smem = GemmSmem<kBlockN>;
     constexpr int kStages = Smem::kStages;
@@ -189,124 +259,103 @@ __global__ void __launch_bounds__(kThreads, 1)
     const uint32_t misalignment = smem_addr(smem_raw) % kSwizzleBytes;
     Smem& smem = *reinterpret_cast<Smem*>(smem_raw + (kSwizzleBytes - misalignment) % kSwizzleBytes);
     const int num_col_tiles = args.n_out / kBlockN;
-    // Column tiles vary fastest: the blocks resident together share rows of `a` and one expert's weight.
-    const int col_tile = blockIdx.x % num_col_tiles;
-    const int row_slot = blockIdx.x / num_col_tiles;
     const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
+    const int warpgroup = threadIdx.x / 128;
 
-    if (warp == 0) {
-        int expert, row_begin, row_end, k_block_begin = 0, k_block_end = args.depth / kTile;
-        if (args.group_depth) {
-            locate_depth_tile(args, row_slot, expert, row_begin, k_block_begin, k_block_end);
-            row_end = row_begin + kTile;
-        } else {
-            locate_row_tile(args.ends, args.num_experts, args.num_rows, row_slot, lane, expert, row_begin, row_end);
-        }
-        if (lane == 0) {
-            smem.expert = expert, smem.row_begin = row_begin, smem.row_end = row_end;
-            smem.k_block_begin = k_block_begin, smem.k_block_end = k_block_end;
-        }
-    } else if (threadIdx.x == 32) {
+    if (threadIdx.x == 0) {
         for (int s = 0; s < kStages; ++s) {
-            mbar_init(&smem.full[s], 1);
+            mbar_init(&smem.full[s], 1 + 32);  // the TMA bytes' arrival and the producer lanes' scale copies
             mbar_init(&smem.empty[s], kMathWarpgroups * 4);
         }
         asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
     }
     __syncthreads();
-    const int expert = smem.expert, row_begin = smem.row_begin, row_end = smem.row_end;
-    const int k_block_begin = smem.k_block_begin, num_k_blocks = smem.k_block_end - smem.k_block_begin;
-    __nv_bfloat16* out = args.out + (args.group_depth ? expert * args.out_expert_stride : 0) + col_tile * kBlockN;
-    if (row_begin >= row_end) return;
-    if (expert == args.num_experts) {
-        zero_rows<kBlockN>(out, args.out_row_stride, row_begin, row_end);
-        return;
-    }
-    // Grouped by depth, every expert reads the one `b`.
-    const int b_expert = args.group_depth ? 0 : expert;
-    const int warpgroup = threadIdx.x / 128;
-
+    // Producer and math warps walk the same tiles and count the same K blocks (`it`, over all tiles of
+    // the block): stage it % kStages, phase parity (it / kStages) & 1.
     if (warpgroup == kMathWarpgroups) {
         asm volatile("setmaxnreg.dec.sync.aligned.u32 %0;" ::"n"(kProducerRegisters));
-        if (threadIdx.x % 128 == 0) {
-            for (int kb = 0; kb < num_k_blocks; ++kb) {
-                const int stage = kb % kStages;
-                const int k = (k_block_begin + kb) * kTile;
-                if (kb >= kStages) mbar_spin(&smem.empty[stage], (kb / kStages - 1) & 1);
-                mbar_arrive_expect_tx(&smem.full[stage], (kTile + kBlockN) * kTile);
-                tma_load_2d(smem.a[stage], &a_map, &smem.full[stage], k, row_begin);
-                tma_load_3d(smem.b[stage], &b_map, &smem.full[stage], k, col_tile * kBlockN, b_expert);
+        if (warp % 4 != 0) return;
+        int it = 0;
+        for (int index = blockIdx.x; index < num_tiles; index += gridDim.x) {
+            const Tile tile = locate_tile(args, num_col_tiles, index, lane);
+            if (tile.row_begin >= tile.row_end || tile.expert == args.num_experts) continue;
+            // Grouped by depth, every expert reads the one `b`.
+            const int b_expert = args.group_depth ? 0 : tile.expert;
+            const float* b_scale = args.b_scales + b_expert * args.b_scale_expert_stride +
+                                   (tile.col_tile * kColumnBlocks + lane) * args.b_scale_row_stride;
+            for (int kb = tile.k_block_begin; kb < tile.k_block_end; ++kb, ++it) {
+                const int stage = it % kStages;
+                if (it >= kStages) mbar_spin(&smem.empty[stage], (it / kStages - 1) & 1);
+                if (lane == 0) {
+                    mbar_arrive_expect_tx(&smem.full[stage], (kTile + kBlockN) * kTile);
+                    tma_load_2d(smem.a[stage], &a_map, &smem.full[stage], kb * kTile, tile.row_begin);
+                    tma_load_3d(smem.b[stage], &b_map, &smem.full[stage], kb * kTile, tile.col_tile * kBlockN,
+                                b_expert);
+                }
+                // Rows past the end still go through the tensor cores (TMA fills them with zeros); their
+                // scale rows are clamped.
+#pragma unroll
+                for (int r = lane; r < kTile; r += 32) {
+                    const int row = min(tile.row_begin + r, args.num_rows - 1);
+                    cp_async_4(&smem.a_scales[stage][r],
+                               args.a_scales + row * args.a_scale_row_stride + kb * args.a_scale_k_stride);
+                }
+                if (lane < kColumnBlocks) {
+                    cp_async_4(&smem.b_scales[stage][lane], b_scale + kb * args.b_scale_k_stride);
+                }
+                cp_async_arrive_noinc(&smem.full[stage]);
             }
         }
+        cp_async_wait_all();
     } else {
         asm volatile("setmaxnreg.inc.sync.aligned.u32 %0;" ::"n"(kMathRegisters));
         // Accumulator layout of m64nN: warp w of the warpgroup holds rows 16w + lane/4 and 8 below; the
         // register pair 4j, 4j+1 holds columns 8j + 2(lane%4) + {0, 1} of the first, 4j+2, 4j+3 of the
         // second. acc holds the column blocks one after another.
-        const int row_0 = row_begin + warpgroup * 64 + (warp % 4) * 16 + lane / 4;
-        const int row_1 = row_0 + 8;
-        // Rows past the end still go through the tensor cores (TMA fills them); their scale rows are clamped.
-        const int64_t k_scale_begin = k_block_begin * args.a_scale_k_stride;
-        const float* a_scale_0 =
-            args.a_scales + min(row_0, args.num_rows - 1) * args.a_scale_row_stride + k_scale_begin;
-        const float* a_scale_1 =
-            args.a_scales + min(row_1, args.num_rows - 1) * args.a_scale_row_stride + k_scale_begin;
-        const float* b_scale = args.b_scales + b_expert * args.b_scale_expert_stride +
-                               col_tile * kColumnBlocks * args.b_scale_row_stride +
-                               k_block_begin * args.b_scale_k_stride;
-        float acc[kAccum], part[kPart];
+        const int tile_row_0 = warpgroup * 64 + (warp % 4) * 16 + lane / 4;
+        const int tile_row_1 = tile_row_0 + 8;
+        int it = 0;
+        for (int index = blockIdx.x; index < num_tiles; index += gridDim.x) {
+            const Tile tile = locate_tile(args, num_col_tiles, index, lane);
+            if (tile.row_begin >= tile.row_end) continue;
+            __nv_bfloat16* out = args.out + (args.group_depth ? tile.expert * args.out_expert_stride : 0) +
+                                 tile.col_tile * kBlockN;
+            if (tile.expert == args.num_experts) {
+                zero_rows<kBlockN>(out, args.out_row_stride, tile.row_begin, tile.row_end);
+                continue;
+            }
+            float acc[kAccum], part[kPart];
 #pragma unroll
-        for (int i = 0; i < kAccum; ++i) acc[i] = 0.0f;
-        // Scales of the first K block (never read past the end: an expert without K blocks reads none).
-        float a_0 = 0.0f, a_1 = 0.0f, b[kColumnBlocks] = {};
-        if (num_k_blocks > 0) {
-            a_0 = a_scale_0[0], a_1 = a_scale_1[0];
+            for (int i = 0; i < kAccum; ++i) acc[i] = 0.0f;
+            for (int kb = tile.k_block_begin; kb < tile.k_block_end; ++kb, ++it) {
+                const int stage = it % kStages;
+                mbar_spin(&smem.full[stage], (it / kStages) & 1);
+                const float a_0 = smem.a_scales[stage][tile_row_0], a_1 = smem.a_scales[stage][tile_row_1];
+                float b[kColumnBlocks];
 #pragma unroll
-            for (int c = 0; c < kColumnBlocks; ++c) b[c] = b_scale[c * args.b_scale_row_stride];
-        }
-        for (int kb = 0; kb < num_k_blocks; ++kb) {
-            const int stage = kb % kStages;
-            mbar_spin(&smem.full[stage], (kb / kStages) & 1);
-            const uint64_t desc_a = smem_descriptor(smem.a[stage] + warpgroup * 64 * kTile);
+                for (int c = 0; c < kColumnBlocks; ++c) b[c] = smem.b_scales[stage][c];
+                const uint64_t desc_a = smem_descriptor(smem.a[stage] + warpgroup * 64 * kTile);
 #pragma unroll
-            for (int c = 0; c < kColumnBlocks; ++c) {
-                const uint64_t desc_b = smem_descriptor(smem.b[stage] + c * kTile * kTile);
-                wgmma_fence();
+                for (int c = 0; c < kColumnBlocks; ++c) {
+                    const uint64_t desc_b = smem_descriptor(smem.b[stage] + c * kTile * kTile);
+                    wgmma_fence();
 #pragma unroll
-                for (int k = 0; k < kTile / 32; ++k) {
-                    // 32 bytes further along K inside the swizzled rows: +2 in the 16-byte address field.
-                    wgmma_m64n128k32(part, desc_a + 2 * k, desc_b + 2 * k, k > 0);
-                }
-                wgmma_commit();
-                wgmma_wait_all();
-                fence_accumulator(part);
-                if (c == kColumnBlocks - 1 && lane == 0) mbar_arrive(&smem.empty[stage]);
-                const float scale_0 = a_0 * b[c], scale_1 = a_1 * b[c];
-                if (c == kColumnBlocks - 1 && kb + 1 < num_k_blocks) {
-                    // The next K block's scales, loaded while this block's last products are summed.
-                    a_0 = a_scale_0[(kb + 1) * args.a_scale_k_stride];
-                    a_1 = a_scale_1[(kb + 1) * args.a_scale_k_stride];
-#pragma unroll
-                    for (int n = 0; n < kColumnBlocks; ++n) {
-                        b[n] = b_scale[n * args.b_scale_row_stride + (kb + 1) * args.b_scale_k_stride];
+                    for (int k = 0; k < kTile / 32; ++k) {
+                        // 32 bytes further along K inside the swizzled rows: +2 in the 16-byte address field.
+                        wgmma_m64n128k32(part, desc_a + 2 * k, desc_b + 2 * k, k > 0);
                     }
+                    wgmma_commit();
+                    wgmma_wait_all();
+                    fence_accumulator(part);
+                    if (c == kColumnBlocks - 1 && lane == 0) mbar_arrive(&smem.empty[stage]);
+                    const float scale_0 = a_0 * b[c], scale_1 = a_1 * b[c];
+#pragma unroll
+                    for (int i = 0; i < kPart; ++i) acc[c * kPart + i] += part[i] * (i & 2 ? scale_1 : scale_0);
                 }
-#pragma unroll
-                for (int i = 0; i < kPart; ++i) acc[c * kPart + i] += part[i] * (i & 2 ? scale_1 : scale_0);
             }
-        }
-
-        const int col = 2 * (lane % 4);
-#pragma unroll
-        for (int j = 0; j < kAccum / 4; ++j) {
-            if (row_0 < row_end) {
-                *reinterpret_cast<__nv_bfloat162*>(out + row_0 * args.out_row_stride + 8 * j + col) =
-                    __floats2bfloat162_rn(acc[4 * j], acc[4 * j + 1]);
-            }
-            if (row_1 < row_end) {
-                *reinterpret_cast<__nv_bfloat162*>(out + row_1 * args.out_row_stride + 8 * j + col) =
-                    __floats2bfloat162_rn(acc[4 * j + 2], acc[4 * j + 3]);
-            }
+            const int row_0 = tile.row_begin + tile_row_0, row_1 = tile.row_begin + tile_row_1;
+            store_row(acc, 0, out + row_0 * args.out_row_stride, row_0 < tile.row_end, lane % 4);
+            store_row(acc, 1, out + row_1 * args.out_row_stride, row_1 < tile.row_end, lane % 4);
         }
     }
 #endif
@@ -364,12 +413,13 @@ cudaError_t launch_tiles(const Fp8GroupedGemmArgs& args, cudaStream_t stream) {
     const cudaError_t attribute = allow_dynamic_shared_memory(fp8_grouped_gemm_kernel<kBlockN>, kSmemBytes<kBlockN>);
     if (attribute != cudaSuccess) return attribute;
     // Grouped by rows, every segment wastes at most one partial tile, and the zero tail takes at most
-    // one more. Grouped by depth, the experts are slowest, so the blocks resident together read one
+    // one more. Grouped by depth, the experts are slowest, so the tiles in flight together read one
     // expert's K range, which stays in L2.
     const int row_slots = args.group_depth ? args.num_experts * (args.num_rows / kTile)
                                            : (args.num_rows + kTile - 1) / kTile + args.num_experts + 1;
-    const int blocks = row_slots * (args.n_out / kBlockN);
-    fp8_grouped_gemm_kernel<kBlockN><<<blocks, kThreads, kSmemBytes<kBlockN>, stream>>>(a_map, b_map, args);
+    const int num_tiles = row_slots * (args.n_out / kBlockN);
+    const int blocks = std::min(num_tiles, std::max(device_attribute(cudaDevAttrMultiProcessorCount), 1));
+    fp8_grouped_gemm_kernel<kBlockN><<<blocks, kThreads, kSmemBytes<kBlockN>, stream>>>(a_map, b_map, args, num_tiles);
     return cudaGetLastError();
 }
 
