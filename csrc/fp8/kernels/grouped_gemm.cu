@@ -59,7 +59,9 @@ constexpr size_t kSmemBytes = sizeof(GemmSmem<kBlockN>) + kSwizzleBytes;  // roo
 // fp8_grouped_gemm_supported() reports.
 #if defined(__CUDA_ARCH_FEAT_SM90_ALL)
 // Registers per thread after the warpgroups rebalance them (setmaxnreg): the producer needs few, the
-// math warpgroups hold 64 x 256 FP32 sums and a 64 x 128 product each.
+// math warpgroups hold 64 x 256 FP32 sums and a 64 x 128 product each. A math warpgroup's increase
+// waits until the registers are free, so 40 x 128 + 232 x 256 must leave room in the SM's 64 Ki beside
+// the launch's own allocation (a producer at 48 uses up every register: the increase would wait forever).
 constexpr int kProducerRegisters = 40;
 constexpr int kMathRegisters = 232;
 constexpr int kPart = kTile / 2;  // f32 registers per thread of an m64n128 product
