@@ -8,8 +8,10 @@ transposed FP8 weight), FP8 (the `moe_ep._fp8` wgmma kernel where built, and Tri
 Triton's autotuned tile and every tile's time; where the CUDA kernel runs, the weight gradient too
 (BF16 `torch._grouped_mm` against the depth-grouped FP8 GEMM, and the two casts along the tokens it
 needs); the forward also as what a user could pick instead: `torch._scaled_grouped_mm` with row-wise
-scales (with and without fast accumulation) and, where `fbgemm_gpu` GenAI imports, its row-wise and
-blockwise grouped GEMMs (a missing one is listed as not run, with the reason);
+scales (with and without fast accumulation), where `fbgemm_gpu` GenAI imports its row-wise and
+blockwise grouped GEMMs, and where `deep_gemm` imports (gpu_check.sh's deepgemm part builds it) DeepGEMM's
+grouped contiguous FP8 GEMM on our casts, at the shapes whose groups meet its 128-row alignment (a
+missing one is listed as not run, with the reason);
 the fused Triton casts (1x128 rows of the GEMM input and of the output gradient, the input rows cast
 back to BF16, 128x128 weight cast with its transposed copy) against the torch reference casts, which
 they must equal bit for bit. Then the whole expert MLP (`GroupedMLP`, SwiGLU, forward+backward on
@@ -56,8 +58,8 @@ from moe_ep.layers import GroupedMLP
 from moe_ep.ops import fp8
 from fp8_operands import (ALIGNMENT, HIDDEN, INTERMEDIATE, PROJECTIONS, GroupedOperands, blockwise_casts,
                           blockwise_impls, grouped_operands, segment_counts, weight_grad_impls)
-from fp8_profile import (DEEPGEMM_SHAPES, KernelTimer, alternative_impls, deepgemm_counts, grouped_gemm_flops,
-                         parse_shape_sets, profile_table, relative_error)
+from fp8_profile import (DEEPGEMM_SHAPES, KernelTimer, alternative_impls, deepgemm_counts, deepgemm_impls,
+                         grouped_gemm_flops, parse_shape_sets, profile_table, relative_error)
 from gpu_clocks import ClockSampler, find_gpu, gpu_id_candidates
 from timing import local_median_us
 
@@ -165,8 +167,9 @@ def bench_projection(timer: KernelTimer, num_experts: int, rows: int, depth: int
     shape, flops = f"ours {proj}", grouped_gemm_flops(num_rows, depth, width)
     impls, skipped = blockwise_impls(x, (qx, sx), w_bf16, (qw, sw), ends)
     alternatives, alternatives_skipped = alternative_impls(x, w_bf16, ends, counts)
-    forwards = timer.profile(shape, "forward", {**impls, **alternatives}, {**skipped, **alternatives_skipped},
-                             x, w_bf16, counts, flops)
+    peer, peer_skipped = deepgemm_impls((qx, sx), (qw, sw), counts)
+    forwards = timer.profile(shape, "forward", {**impls, **alternatives, **peer},
+                             {**skipped, **alternatives_skipped, **peer_skipped}, x, w_bf16, counts, flops)
     del alternatives  # their row-wise copies of the weights
     w_t_bf16 = w_bf16.transpose(-2, -1)  # dgrad: grad [N, width] @ w[e] [width, depth]
     dgrad_impls, dgrad_skipped = blockwise_impls(grad, (qg, sg), w_t_bf16, (qw_t, sw_t), ends)
@@ -222,8 +225,10 @@ def bench_deepgemm_shape(timer: KernelTimer, name: str, depth: int, width: int) 
     blockwise = blockwise_casts(operands)
     impls, skipped = blockwise_impls(x, blockwise.x_8, w, blockwise.w_8, ends)
     alternatives, alternatives_skipped = alternative_impls(x, w, ends, counts)
-    return timer.profile(name, "forward", {**impls, **alternatives}, {**skipped, **alternatives_skipped},
-                         x, w, counts, grouped_gemm_flops(sum(counts), depth, width))
+    peer, peer_skipped = deepgemm_impls(blockwise.x_8, blockwise.w_8, counts)
+    return timer.profile(name, "forward", {**impls, **alternatives, **peer},
+                         {**skipped, **alternatives_skipped, **peer_skipped}, x, w, counts,
+                         grouped_gemm_flops(sum(counts), depth, width))
 
 
 def bench_experts(num_experts: int, rows: int, profile: bool) -> dict:

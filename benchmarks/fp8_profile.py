@@ -37,8 +37,10 @@ IMPLEMENTATIONS = {
     "rowwise-fastacc": "the same with use_fast_accum=True (no FP32 promotion of the accumulator)",
     "fbgemm-rowwise": "FP8 row-wise, fbgemm_gpu GenAI f8f8bf16_rowwise_grouped_stacked",
     "fbgemm-blockwise": "FP8 1x128 / 128x128, fbgemm_gpu GenAI f8f8bf16_groupwise_grouped (its own casts)",
+    "deepgemm": "FP8 1x128 / 128x128 on our casts, DeepGEMM m_grouped_fp8_gemm_nt_contiguous (a peer built on the "
+                "device: gpu_check.sh's deepgemm part)",
 }
-OPTIONAL_IMPLS = frozenset({"rowwise", "rowwise-fastacc", "fbgemm-rowwise", "fbgemm-blockwise"})
+OPTIONAL_IMPLS = frozenset({"rowwise", "rowwise-fastacc", "fbgemm-rowwise", "fbgemm-blockwise", "deepgemm"})
 """Implementations from other libraries: one that raises is recorded as not run, with the error."""
 
 
@@ -261,6 +263,42 @@ def fbgemm_impls(x: torch.Tensor, w: torch.Tensor, counts: list[int], x_8: FP8Pa
         return partial(torch.ops.fbgemm.f8f8bf16_groupwise_grouped, bx, bw, bsx, bsw, m_sizes)
 
     optional_impl(impls, skipped, names[1], blockwise)
+    return impls, skipped
+
+
+def deepgemm_impls(x_8: FP8Pair, w_8: FP8Pair, counts: list[int]) -> tuple[dict, dict]:
+    """DeepGEMM's grouped contiguous FP8 GEMM where `deep_gemm` imports, on the blockwise casts ours
+    reads: `x_8 = (qx [N, K], sx [N, K/128])` (1x128), `w_8 = (qw [E, N_OUT, K], sw [E, N_OUT/128, K/128])`
+    (128x128), groups of `counts` rows. The row scales move once, beforehand, into the TMA-aligned
+    MN-major layout it reads, so the timed call is the GEMM alone. Its groups must start at multiples of
+    its M alignment: where they do not (our segments are padded to 16 rows), it is recorded as not run."""
+    name = "deepgemm"
+    try:
+        import deep_gemm
+    except Exception as error:  # noqa: BLE001 - not built here, or a build that does not load
+        return {}, {name: f"deep_gemm not importable ({_why(error)})"}
+    alignment = deep_gemm.get_mk_alignment_for_contiguous_layout()
+    if any(count % alignment for count in counts):
+        return {}, {name: f"DeepGEMM needs groups of a multiple of {alignment} rows; these are multiples of "
+                          f"{math.gcd(*counts)}"}
+    (qx, sx), (qw, sw) = x_8, w_8
+    group_of_row = torch.repeat_interleave(torch.arange(len(counts), dtype=torch.int32, device=qx.device),
+                                           torch.tensor(counts, device=qx.device))
+    out = torch.empty(qx.size(0), qw.size(1), dtype=torch.bfloat16, device=qx.device)
+
+    def build() -> Callable[[], torch.Tensor]:
+        sx_mn_major = deep_gemm.transform_sf_into_required_layout(sx, qx.size(0), qx.size(1), (1, 128, 128),
+                                                                  is_sfa=True, disable_ue8m0_cast=True)
+
+        def run() -> torch.Tensor:
+            deep_gemm.m_grouped_fp8_gemm_nt_contiguous((qx, sx_mn_major), (qw, sw), out, group_of_row,
+                                                       disable_ue8m0_cast=True)
+            return out
+        return run
+
+    impls: dict = {}
+    skipped: dict = {}
+    optional_impl(impls, skipped, name, build)
     return impls, skipped
 
 

@@ -2,7 +2,8 @@
 # One device call: build the extensions, run tests/gpu, run the benchmarks; logs and JSON under $OUT, a
 # short table printed last.
 #   bash scripts/gpu_check.sh [parts] [extra intranode-benchmark args...]
-#   parts: comma list of build,test,bench,ll,layer,internode,fp8gemm,fp8ncu,probe,examples,decodediag,overhead
+#   parts: comma list of build,test,deepgemm,bench,ll,layer,internode,fp8gemm,fp8ncu,probe,examples,decodediag,
+#     overhead
 #     (default: build,test,bench,ll,layer,fp8gemm on a machine with EP GPUs or more; build,test,fp8gemm on
 #     smaller ones, whose multi-rank tests put several ranks on a GPU); internode: bench_internode.py
 #     --backend cuda with virtual nodes (INTERNODE_ARGS);
@@ -16,7 +17,10 @@
 #     P2P; LL_ARGS: e.g. --tokens 128 1); layer: the MoE
 #     layer benchmark (LAYER_TIMEOUT, LAYER_ARGS: e.g. --profile-experts); fp8gemm: the FP8 grouped GEMMs (CUDA and Triton) against BF16 on
 #     one GPU, with the SM clock and power sampled during each GEMM, at our shapes and DeepGEMM's, beside
-#     torch._scaled_grouped_mm row-wise (FP8GEMM_TIMEOUT, FP8GEMM_ARGS: e.g. --profile, --shapes deepgemm);
+#     torch._scaled_grouped_mm row-wise and, where the deepgemm part installed it, DeepGEMM (FP8GEMM_TIMEOUT,
+#     FP8GEMM_ARGS: e.g. --profile, --shapes deepgemm);
+#     deepgemm: the DeepGEMM peer installed from DEEPGEMM_SRC (default shared/DeepGEMM.tgz, from
+#     scripts/pack_deepgemm.sh; DEEPGEMM_TIMEOUT, default 300 s), before the benchmarks;
 #     fp8ncu: Nsight Compute on our FP8 GEMM kernels (forward, dgrad, wgrad at the gate/up shapes) and the
 #     row-wise torch._scaled_grouped_mm forward, one launch each after warm-up (benchmarks/fp8_kernel_once.py):
 #     tensor pipe, SM, DRAM and L2 throughput, occupancy, issue slots, warp stalls and the SM clock (our kernels
@@ -123,6 +127,33 @@ if has test; then
     done
     grep -E "^(FAILED|ERROR)" "$OUT/pytest.log" | head -30
     summary+=("skipped tests (count x file: reason):" "${skips[@]}")
+fi
+
+# The DeepGEMM peer, installed from DEEPGEMM_SRC (default shared/DeepGEMM.tgz, made by scripts/pack_deepgemm.sh
+# on the development machine; a source tree works too) for the fp8gemm part's side-by-side rows. Its kernels
+# compile at first use (nvcc, a JIT cache under the home directory); the install builds its Python module.
+if has deepgemm; then
+    start=$(date +%s)
+    src=${DEEPGEMM_SRC:-shared/DeepGEMM.tgz}
+    limit=$(( CALL_BUDGET_S - (start - script_start) - 60 ))
+    (( limit > ${DEEPGEMM_TIMEOUT:-300} )) && limit=${DEEPGEMM_TIMEOUT:-300}
+    if [[ ! -e $src ]]; then
+        summary+=("deepgemm: not built: no $src (bash scripts/pack_deepgemm.sh)")
+    elif (( limit < 30 )); then
+        summary+=("deepgemm: not built: the call's time is spent")
+    else
+        tree=$src
+        if [[ -f $src ]]; then tree=$(mktemp -d) && tar -xzf "$src" -C "$tree" && tree=$tree/DeepGEMM; fi
+        echo "================ DeepGEMM from $src" >> "$OUT/build.log"
+        if (cd "$tree" && MAX_JOBS=$(nproc) timeout "$limit" $PY -m pip install --no-build-isolation --no-deps .) \
+            >> "$OUT/build.log" 2>&1 && (cd / && $PY -c "import deep_gemm; print('deep_gemm', deep_gemm.__version__)") \
+            >> "$OUT/build.log" 2>&1; then
+            summary+=("deepgemm: installed in $(( $(date +%s) - start )) s ($(tail -1 "$OUT/build.log"))")
+        else
+            summary+=("deepgemm: FAILED after $(( $(date +%s) - start )) s (build.log)")
+            tail -25 "$OUT/build.log"
+        fi
+    fi
 fi
 
 # run_bench LABEL TIMEOUT SCRIPT JSON [args...]: one benchmark, its log appended to bench.log. Value

@@ -14,6 +14,8 @@ from pathlib import Path
 import pytest
 import torch
 
+from moe_ep.ops import fp8 as fp8_ops
+
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "benchmarks"))
 
@@ -236,6 +238,51 @@ def test_scaled_grouped_mm_rows_run_or_say_why() -> None:
     results = timer.profile("toy", "forward", impls, skipped, x, w, counts, 1)
     for impl in impls:  # the op is CUDA-only in most builds; where it runs, its error is the row-wise cast's
         assert (impl in results and results[impl]["rel_err"] < 0.1) or any(s["impl"] == impl for s in timer.skipped)
+
+
+class _FakeDeepGemm:
+    """Stands in for the `deep_gemm` module: DeepGEMM's grouped contiguous GEMM computed in float32 from
+    the dequantized operands, recording how it was called."""
+
+    def __init__(self, alignment: int) -> None:
+        self.alignment, self.transforms, self.calls = alignment, [], []
+
+    def get_mk_alignment_for_contiguous_layout(self) -> int:
+        return self.alignment
+
+    def transform_sf_into_required_layout(self, sf, mn, k, recipe, is_sfa, disable_ue8m0_cast):
+        self.transforms.append((mn, k, recipe, is_sfa, disable_ue8m0_cast))
+        return sf.t().contiguous().t()  # MN-major, as the GPU version returns it
+
+    def m_grouped_fp8_gemm_nt_contiguous(self, a, b, d, grouped_layout, disable_ue8m0_cast):
+        (qa, sa), (qb, sb) = a, b
+        self.calls.append((grouped_layout.tolist(), sa.stride(), disable_ue8m0_cast))
+        x = qa.float() * sa.repeat_interleave(128, dim=1)
+        w = qb.float() * sb.repeat_interleave(128, dim=1).repeat_interleave(128, dim=2)
+        d.copy_(torch.einsum("mk,mnk->mn", x, w[grouped_layout.long()]))
+
+
+def test_deepgemm_rows_run_on_our_casts_or_say_why(monkeypatch: pytest.MonkeyPatch) -> None:
+    g = torch.Generator().manual_seed(8)
+    counts = [128, 256, 128]
+    x, w = torch.randn(512, 256, generator=g), torch.randn(3, 128, 256, generator=g) / 16
+    x_8 = fp8_ops.per_token_cast_to_fp8(x)
+    w_8 = fp8_ops.per_block_cast_to_fp8(w)
+    fake = _FakeDeepGemm(alignment=128)
+    monkeypatch.setitem(sys.modules, "deep_gemm", fake)
+    impls, skipped = prof.deepgemm_impls(x_8, w_8, counts)
+    assert not skipped and list(impls) == ["deepgemm"]
+    assert fake.transforms == [(512, 256, (1, 128, 128), True, True)]  # once, before any timed call
+    timer = _timer(ClockSampler(None, "none"))
+    results = timer.profile("toy", "forward", impls, skipped, x, w, counts, 1)
+    assert results["deepgemm"]["rel_err"] < 0.1  # the FP8 casts' error, not a wrong group
+    rows, strides, no_ue8m0 = fake.calls[0]
+    assert rows == [0] * 128 + [1] * 256 + [2] * 128 and strides == (1, 512) and no_ue8m0
+    # Groups off its alignment, and no module at all: recorded as not run, with the reason.
+    _, skipped = prof.deepgemm_impls(x_8, w_8, [16, 368, 128])
+    assert "multiple of 128 rows; these are multiples of 16" in skipped["deepgemm"]
+    monkeypatch.setitem(sys.modules, "deep_gemm", None)
+    assert "not importable" in prof.deepgemm_impls(x_8, w_8, counts)[1]["deepgemm"]
 
 
 def test_timer_rows_carry_the_sampled_clock(fake_nvidia_smi: Path) -> None:
