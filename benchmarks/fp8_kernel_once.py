@@ -4,11 +4,13 @@ those only (`ncu --nvtx --nvtx-include "fp8_kernel_once/"`, with `-k regex:fp8_g
 just our kernel). The operands are the benchmark's (`fp8_operands.py`), at its shapes.
 
     python benchmarks/fp8_kernel_once.py --op forward|dgrad|wgrad [--proj gate_up|down]
-        [--shape deepgemm-4096x7168|deepgemm-7168x2048] [--impl ours|bf16|rowwise] [--warmup 3] [--iters 2]
+        [--shape deepgemm-4096x7168|deepgemm-7168x2048] [--impl ours|bf16|rowwise|deepgemm] [--warmup 3] [--iters 2]
 
 `--impl`: ours (the blockwise FP8 CUDA kernel of `moe_ep._fp8`; the weight gradient is its
 depth-grouped mode on operands cast once beforehand), bf16 (`torch._grouped_mm`), rowwise
-(`torch._scaled_grouped_mm` with one scale per row / weight column; forward and dgrad only). The
+(`torch._scaled_grouped_mm` with one scale per row / weight column; forward and dgrad only), deepgemm
+(DeepGEMM's grouped contiguous GEMM on our casts where `deep_gemm` imports; forward only, at the `--shape`
+ones: its groups must be multiples of 128 rows). The
 `--proj` shapes are DeepSeek-V3's experts (64 by default, about 32768 rows in uneven segments); the
 `--shape` ones DeepGEMM's (4 groups of 8192 rows, N x K). Prints the median CUDA-event time and its
 TFLOP/s; under ncu these times include its replays and mean nothing.
@@ -26,12 +28,12 @@ import torch
 from moe_ep.kernels.fp8_backend import cuda_kernels_run
 from fp8_operands import (PROJECTIONS, GroupedOperands, bf16_grouped_mm, bf16_weight_grad, blockwise_casts,
                           blockwise_impls, grouped_operands, segment_counts, weight_grad_impls)
-from fp8_profile import (DEEPGEMM_SHAPES, deepgemm_counts, grouped_gemm_flops, rowwise_cast_to_fp8,
+from fp8_profile import (DEEPGEMM_SHAPES, deepgemm_counts, deepgemm_impls, grouped_gemm_flops, rowwise_cast_to_fp8,
                          scaled_grouped_mm_impls, tflops)
 from timing import local_median_us
 
 OPS = ("forward", "dgrad", "wgrad")
-IMPLS = {"ours": "fp8-cuda", "bf16": "bf16", "rowwise": "rowwise"}
+IMPLS = {"ours": "fp8-cuda", "bf16": "bf16", "rowwise": "rowwise", "deepgemm": "deepgemm"}
 """`--impl` name: the benchmark's name for the same implementation."""
 NVTX_RANGE = "fp8_kernel_once"
 DEEPGEMM_CLI_SHAPES = {f"deepgemm-{n}x{k}": name for name, (k, n) in DEEPGEMM_SHAPES.items()}
@@ -65,6 +67,8 @@ def parse_args(argv: Optional[list[str]] = None) -> argparse.Namespace:
     if args.impl == "rowwise" and args.op == "wgrad":
         parser.error("--impl rowwise: expected --op forward or dgrad (the row-wise weight gradient would need "
                      "scales along each expert's tokens, which the benchmark does not build)")
+    if args.impl == "deepgemm" and args.op != "forward":
+        parser.error("--impl deepgemm: expected --op forward (the benchmark compares DeepGEMM's forward)")
     if args.shape is None and args.proj is None:
         args.proj = "gate_up"
     return args
@@ -99,6 +103,9 @@ def kernel_call(op: str, impl: str, operands: GroupedOperands) -> Callable[[], t
         return bf16_grouped_mm(a, b, operands.ends)
     if impl == "rowwise":
         impls, skipped = scaled_grouped_mm_impls(rowwise_cast_to_fp8(a), rowwise_cast_to_fp8(b), operands.ends)
+    elif impl == "deepgemm":
+        casts = blockwise_casts(operands)
+        impls, skipped = deepgemm_impls(casts.x_8, casts.w_8, operands.counts)
     else:
         casts = blockwise_casts(operands)
         a_8, b_8 = (casts.x_8, casts.w_8) if op == "forward" else (casts.grad_8, casts.w_t_8)

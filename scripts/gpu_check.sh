@@ -22,7 +22,8 @@
 #     deepgemm: the DeepGEMM peer installed from DEEPGEMM_SRC (default shared/DeepGEMM.tgz, from
 #     scripts/pack_deepgemm.sh; DEEPGEMM_TIMEOUT, default 300 s), before the benchmarks;
 #     fp8ncu: Nsight Compute on our FP8 GEMM kernels (forward, dgrad, wgrad at the gate/up shapes) and the
-#     row-wise torch._scaled_grouped_mm forward, one launch each after warm-up (benchmarks/fp8_kernel_once.py):
+#     row-wise torch._scaled_grouped_mm forward (where DeepGEMM is installed, also its forward and ours at
+#     its N 4096 / K 7168 shape), one launch each after warm-up (benchmarks/fp8_kernel_once.py):
 #     tensor pipe, SM, DRAM and L2 throughput, occupancy, issue slots, warp stalls and the SM clock (our kernels
 #     also with SourceCounters: ncu_<label>_source.csv, the SASS with its warp-state samples); reports
 #     and raw CSVs in files.tgz, a table in bench.log (benchmarks/ncu_table.py), one line per kernel in the
@@ -200,14 +201,16 @@ find_ncu() {
     return 1
 }
 
-# ncu_profile LABEL OP IMPL: benchmarks/fp8_kernel_once.py under ncu, report and raw CSV to $FILES/ncu_LABEL.*,
+# ncu_profile LABEL OP IMPL [SHAPE]: benchmarks/fp8_kernel_once.py under ncu at the gate/up shape (or its
+# --shape SHAPE), report and raw CSV to $FILES/ncu_LABEL.*,
 # ncu's output to bench.log. The launches profiled are those in the script's NVTX range; where ncu profiled
 # none there (no NVTX support in this ncu or torch), our kernel is taken by name after its 3 warm-up launches.
 # ncu refuses a whole run for one metric it does not know: metrics an error names join NCU_EXCLUDED, the
 # next candidates of their columns replace them (ncu_table.py metrics) and the run is tried again. Status 2
 # where ncu may not read the GPU's counters.
 ncu_profile() {
-    local label=$1 op=$2 impl=$3 limit call_left attempt rc name log=$FILES/ncu_$1.log
+    local label=$1 op=$2 impl=$3 limit call_left attempt rc name log=$FILES/ncu_$1.log shape=(--proj gate_up)
+    [[ -n ${4:-} ]] && shape=(--shape "$4")
     local filter=() select=(--nvtx --nvtx-include "fp8_kernel_once/") dropped sections=(--section WarpStateStats)
     # Only our kernel where it is ours; the row-wise op may launch helpers around its GEMM, all in the range.
     # Ours also gets SourceCounters: warp-state samples per SASS instruction, to place its stalls.
@@ -225,7 +228,7 @@ ncu_profile() {
         MOE_EP_CHECK_VALUES=0 timeout -k 10 "$limit" "$ncu" --target-processes application-only --clock-control none \
             "${select[@]}" "${filter[@]}" --launch-count 4 "${sections[@]}" --metrics "$NCU_METRICS" \
             -f -o "$FILES/ncu_$label" \
-            $PY benchmarks/fp8_kernel_once.py --op "$op" --impl "$impl" --proj gate_up --warmup 3 --iters 1 \
+            $PY benchmarks/fp8_kernel_once.py --op "$op" --impl "$impl" "${shape[@]}" --warmup 3 --iters 1 \
             > "$log" 2>&1
         rc=$?
         { echo "================ ncu $label (rc=$rc): ${select[*]} ${filter[*]}"; cat "$log"; } >> "$OUT/bench.log"
@@ -249,7 +252,7 @@ ncu_profile() {
     "$ncu" --import "$FILES/ncu_$label.ncu-rep" --csv --page raw --print-units base > "$FILES/ncu_$label.csv" \
         2>> "$OUT/bench.log" ||
         "$ncu" --import "$FILES/ncu_$label.ncu-rep" --csv --page raw > "$FILES/ncu_$label.csv" 2>> "$OUT/bench.log"
-    ncu_tables+=("$op $impl=$FILES/ncu_$label.csv")
+    ncu_tables+=("$op $impl${4:+ $4}=$FILES/ncu_$label.csv")
     # The per-instruction view (SASS with its warp-state samples), for reading offline; best effort: an
     # ncu without the source page only logs an error.
     if [[ $impl == ours ]]; then
@@ -272,9 +275,15 @@ if has fp8ncu; then
         grep -E "^ *sm__(pipe|inst_executed_pipe)_tensor" "$FILES/ncu_query_metrics.txt" | head -20 >> "$OUT/bench.log"
         NCU_EXCLUDED=""
         NCU_METRICS=$($PY benchmarks/ncu_table.py metrics "$FILES/ncu_query_metrics.txt")
-        for spec in "forward ours" "dgrad ours" "wgrad ours" "forward rowwise"; do
-            read -r op impl <<< "$spec"
-            ncu_profile "${op}_$impl" "$op" "$impl"
+        specs=("forward ours" "dgrad ours" "wgrad ours" "forward rowwise")
+        # Where the deepgemm part installed DeepGEMM: its kernel and ours at its shape (its groups need
+        # 128-row alignment, which the gate/up segments lack).
+        if (cd / && $PY -c "import deep_gemm") > /dev/null 2>&1; then
+            specs+=("forward ours deepgemm-4096x7168" "forward deepgemm deepgemm-4096x7168")
+        fi
+        for spec in "${specs[@]}"; do
+            read -r op impl shape <<< "$spec"
+            ncu_profile "${op}_$impl${shape:+_$shape}" "$op" "$impl" "$shape"
             if (( $? == 2 )); then
                 summary+=("fp8ncu: ncu may not read the GPU's performance counters (ERR_NVGPUCTRPERM: profiling is restricted to admin users on this machine): nothing profiled")
                 ncu_tables=()

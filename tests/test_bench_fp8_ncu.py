@@ -8,6 +8,7 @@ import random
 import statistics
 import sys
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -18,6 +19,7 @@ sys.path.insert(0, str(ROOT / "benchmarks"))
 import fp8_kernel_once as once  # noqa: E402
 import ncu_table  # noqa: E402
 from fp8_operands import PROJECTIONS, grouped_operands, segment_counts  # noqa: E402
+from moe_ep.ops import fp8  # noqa: E402
 
 NEEDS_CUDA = pytest.mark.skipif(not torch.cuda.is_available(), reason="the one-kernel run needs a CUDA GPU")
 
@@ -32,6 +34,7 @@ def test_defaults_are_our_kernel_at_the_gate_up_shape() -> None:
 
 @pytest.mark.parametrize("argv, message", [
     (["--op", "wgrad", "--impl", "rowwise"], "--impl rowwise: expected --op forward or dgrad"),
+    (["--op", "dgrad", "--impl", "deepgemm"], "--impl deepgemm: expected --op forward"),
     (["--op", "forward", "--iters", "0"], "--iters: expected an integer >= 1, got 0"),
     (["--op", "forward", "--warmup", "-1"], "--warmup: expected an integer >= 0, got -1"),
     (["--op", "forward", "--experts", "0"], "--experts: expected an integer >= 1"),
@@ -93,6 +96,20 @@ def test_our_kernel_without_its_build_says_why(op: str) -> None:
     operands = grouped_operands([32, 16], 256, 128, device="cpu")
     with pytest.raises(RuntimeError, match="--impl ours: needs the moe_ep._fp8 kernel"):
         once.kernel_call(op, "ours", operands)
+
+
+def test_deepgemm_without_its_module_or_off_its_alignment_says_why(monkeypatch: pytest.MonkeyPatch) -> None:
+    # The reference casts (the benchmark's are Triton's, which needs a GPU).
+    monkeypatch.setattr(once, "blockwise_casts", lambda ops: SimpleNamespace(
+        x_8=fp8.per_token_cast_to_fp8(ops.x), w_8=fp8.per_block_cast_to_fp8(ops.w)))
+    operands = grouped_operands([128, 128], 256, 128, with_grad=False, device="cpu")
+    monkeypatch.setitem(sys.modules, "deep_gemm", None)  # not installed
+    with pytest.raises(RuntimeError, match="--impl deepgemm: does not run here: deep_gemm not importable"):
+        once.kernel_call("forward", "deepgemm", operands)
+    monkeypatch.setitem(sys.modules, "deep_gemm", SimpleNamespace(get_mk_alignment_for_contiguous_layout=lambda: 128))
+    odd = grouped_operands([48, 80], 256, 128, with_grad=False, device="cpu")
+    with pytest.raises(RuntimeError, match="needs groups of a multiple of 128 rows; these are multiples of 16"):
+        once.kernel_call("forward", "deepgemm", odd)
 
 
 def test_timed_launches_follow_the_warmup() -> None:
