@@ -146,6 +146,9 @@ if has deepgemm; then
         tree=$src
         if [[ -f $src ]]; then tree=$(mktemp -d) && tar -xzf "$src" -C "$tree" && tree=$tree/DeepGEMM; fi
         echo "================ DeepGEMM from $src" >> "$OUT/build.log"
+        # Its setup.py imports these; pack_deepgemm.sh puts their wheels beside the source.
+        $PY -c "import wheel.bdist_wheel, packaging" 2> /dev/null ||
+            $PY -m pip install --no-index --no-deps shared/peer_wheels/*.whl >> "$OUT/build.log" 2>&1
         if (cd "$tree" && MAX_JOBS=$(nproc) timeout "$limit" $PY -m pip install --no-build-isolation --no-deps .) \
             >> "$OUT/build.log" 2>&1 && (cd / && $PY -c "import deep_gemm; print('deep_gemm', deep_gemm.__version__)") \
             >> "$OUT/build.log" 2>&1; then

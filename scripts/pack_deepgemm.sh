@@ -3,8 +3,9 @@
 # benchmark's side-by-side rows: shared/DeepGEMM.tgz, DeepGEMM at DEEPGEMM_COMMIT (default its HEAD) with
 # the include/ trees of the CUTLASS and fmt commits its submodules pin. Made from local git repositories,
 # by default the snapshots the `fetch` tool brings (github:deepseek-ai/DeepGEMM, github:NVIDIA/cutlass,
-# github:fmtlib/fmt under /work/.mirror). Not part of the project: shared/ is ignored by git and travels
-# with every device call (the archive is about 3 MB).
+# github:fmtlib/fmt under /work/.mirror). DeepGEMM's setup.py also imports `wheel` and `packaging`, which a
+# device machine may lack and cannot download: their wheels (pure Python) go to shared/peer_wheels. Not
+# part of the project: shared/ is ignored by git and travels with every device call (about 3 MB in all).
 #   bash scripts/pack_deepgemm.sh [DEEPGEMM_GIT [CUTLASS_GIT [FMT_GIT]]]
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -29,6 +30,7 @@ for sub in cutlass fmt; do
     (( want > 0 && got == want )) || { echo "$sub ${pinned:0:7}: $got of $want include files extracted" >&2; exit 1; }
     pins+=("$sub ${pinned:0:7}")
 done
-mkdir -p shared
+mkdir -p shared/peer_wheels
 tar -czf shared/DeepGEMM.tgz -C "$work" DeepGEMM
+python3 -m pip download --quiet --no-deps -d shared/peer_wheels "wheel==0.45.1" "packaging==24.2"
 echo "shared/DeepGEMM.tgz: DeepGEMM $commit, ${pins[*]}; $(du -h shared/DeepGEMM.tgz | cut -f1)"
