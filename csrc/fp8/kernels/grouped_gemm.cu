@@ -17,8 +17,12 @@
 // instructions. Two math warpgroups multiply 64 rows each: every K block goes into a scratch accumulator,
 // which is then added to the FP32 sums times the block's two scales. The scales change from one K block to
 // the next, so one tensor-core accumulation over all of K is not possible; the warpgroups wait for their
-// own products only, so one's scaling overlaps the other's tensor-core work. The sums leave as BF16 in
-// 16-byte stores after the four lanes sharing a row swap their column pairs.
+// own products only, so one's scaling overlaps the other's tensor-core work. Grouped by rows, the sums
+// leave as BF16 in 16-byte stores after the four lanes sharing a row swap their column pairs. Grouped by
+// depth, a tile has only a few K blocks and 64 KB of output, so its stores would hold the tensor cores
+// for as long as its math: each math warpgroup writes its rows into shared memory instead (stmatrix, in
+// the swizzled layout TMA reads) and one of its threads hands them to TMA stores, which drain while the
+// warpgroup multiplies the next tile.
 #include <cuda.h>
 #include <cuda_bf16.h>
 #include <cudaTypedefs.h>
@@ -37,14 +41,22 @@ namespace {
 constexpr int kTile = kFp8Block;
 constexpr int kMathWarpgroups = 2;
 constexpr int kThreads = 128 * (kMathWarpgroups + 1);
-constexpr int kSmemStages = 4 * 48 * 1024;  // shared memory of the stages: 4 of 128 + 256 rows of 128 bytes
+// Shared memory of the stages and the output staging together: 4 stages of 128 + 256 rows of 128 bytes,
+// or 3 beside the 64 KB staging of a 128 x 256 BF16 tile (within the 227 KB a block may have).
+constexpr int kSmemBudget = 208 * 1024;
 constexpr int kSwizzleBytes = 1024;      // 128-byte swizzle repeats every 8 rows of 128 bytes
+constexpr int kStoreBoxColumns = 64;     // BF16 columns of one TMA store box: one 128-byte swizzled row
+constexpr int kWarpgroupRows = kTile / kMathWarpgroups;
 
 // A block's output tile is 128 x kBlockN: 128 or 256 columns (the wider tile reads a third less
-// from L2 per FLOP; the output width must be a multiple of it).
-template <int kBlockN>
+// from L2 per FLOP; the output width must be a multiple of it). With kStaged, the BF16 tile's staging
+// for the TMA stores follows the struct: per math warpgroup kBlockN / 64 boxes of 64 x 64.
+template <int kBlockN, bool kStaged>
 struct alignas(kSwizzleBytes) GemmSmem {
-    static constexpr int kStages = kSmemStages / ((kTile + kBlockN) * kTile);
+    static constexpr int kStoreBoxes = kBlockN / kStoreBoxColumns;
+    static constexpr int kStoreBoxBytes = kWarpgroupRows * kStoreBoxColumns * sizeof(__nv_bfloat16);
+    static constexpr int kStagingBytes = kStaged ? kMathWarpgroups * kStoreBoxes * kStoreBoxBytes : 0;
+    static constexpr int kStages = (kSmemBudget - kStagingBytes) / ((kTile + kBlockN) * kTile);
     uint8_t a[kStages][kTile * kTile];
     uint8_t b[kStages][kBlockN * kTile];
     float a_scales[kStages][kTile];             // the stage's K block: one per row of the tile
@@ -52,8 +64,11 @@ struct alignas(kSwizzleBytes) GemmSmem {
     uint64_t full[kStages];   // TMA bytes and the producer warp's scale copies landed
     uint64_t empty[kStages];  // every math warp done reading
 };
-template <int kBlockN>
-constexpr size_t kSmemBytes = sizeof(GemmSmem<kBlockN>) + kSwizzleBytes;  // room to align the base
+// The struct's size is a multiple of kSwizzleBytes, so the staging after it is aligned too; one more
+// kSwizzleBytes leaves room to align the base.
+template <int kBlockN, bool kStaged>
+constexpr size_t kSmemBytes =
+    sizeof(GemmSmem<kBlockN, kStaged>) + GemmSmem<kBlockN, kStaged>::kStagingBytes + kSwizzleBytes;
 
 // The device code needs sm_90a (wgmma); other targets compile an empty kernel, which
 // fp8_grouped_gemm_supported() reports.
@@ -246,20 +261,65 @@ MOE_EP_DEVICE void store_row(const float (&acc)[kAccum], int half, __nv_bfloat16
         }
     }
 }
+
+// Four 8 x 8 BF16 matrices into shared memory: register i of every lane holds its fragment of matrix i
+// (row lane / 4, columns 2 (lane % 4) and +1, the accumulator's layout); lanes 8i .. 8i+7 give the
+// addresses of matrix i's rows.
+MOE_EP_DEVICE void stmatrix_x4(uint32_t address, uint32_t r0, uint32_t r1, uint32_t r2, uint32_t r3) {
+    asm volatile("stmatrix.sync.aligned.m8n8.x4.shared.b16 [%0], {%1, %2, %3, %4};" ::"r"(address), "r"(r0),
+                 "r"(r1), "r"(r2), "r"(r3)
+                 : "memory");
+}
+
+// A warpgroup's rows of the tile as BF16 into its staging boxes (64 rows x 64 columns each, 128-byte rows
+// with the 128-byte swizzle: the 16-byte chunk c of row r sits at chunk c ^ (r % 8)). Warp w holds rows
+// 16w .. 16w+15; one stmatrix writes the 16 rows of 16 columns: lane l addresses row l % 8 (+8 for
+// l / 8 odd) of the column chunk j + l / 16.
+template <int kAccum>
+MOE_EP_DEVICE void stage_rows(const float (&acc)[kAccum], uint8_t* boxes, int box_bytes, int warp_in_group,
+                              int lane) {
+    const int row = 16 * warp_in_group + lane % 8 + 8 * (lane / 8 % 2);
+    const uint32_t row_base = smem_addr(boxes) + row * kStoreBoxColumns * sizeof(__nv_bfloat16);
+    constexpr int kChunksPerBox = kStoreBoxColumns * sizeof(__nv_bfloat16) / 16;
+#pragma unroll
+    for (int j = 0; j < kAccum / 4; j += 2) {
+        // Registers 4j .. 4j+3 hold the columns 8j .. 8j+7 of the tile's row and of the row 8 below.
+        const int chunk = j + lane / 16;
+        const uint32_t address =
+            row_base + chunk / kChunksPerBox * box_bytes + ((chunk % kChunksPerBox) ^ (row % 8)) * 16;
+        stmatrix_x4(address, pack_bf16x2(acc[4 * j], acc[4 * j + 1]), pack_bf16x2(acc[4 * j + 2], acc[4 * j + 3]),
+                    pack_bf16x2(acc[4 * j + 4], acc[4 * j + 5]), pack_bf16x2(acc[4 * j + 6], acc[4 * j + 7]));
+    }
+}
+
+MOE_EP_DEVICE void tma_store_3d(const CUtensorMap* map, const void* src, int x, int y, int z) {
+    asm volatile("cp.async.bulk.tensor.3d.global.shared::cta.bulk_group [%0, {%2, %3, %4}], [%1];" ::"l"(map),
+                 "r"(smem_addr(src)), "r"(x), "r"(y), "r"(z)
+                 : "memory");
+}
+
+// Synchronizes the 128 threads of math warpgroup `warpgroup` (named barriers 1 and 2; 0 is __syncthreads).
+MOE_EP_DEVICE void warpgroup_barrier(int warpgroup) {
+    asm volatile("bar.sync %0, 128;" ::"r"(1 + warpgroup) : "memory");
+}
 #endif
 
-template <int kBlockN>
+// kStaged: the sums leave through shared memory and TMA stores of `out_map` (grouped by depth; unused
+// otherwise).
+template <int kBlockN, bool kStaged>
 __global__ void __launch_bounds__(kThreads, 1)
     fp8_grouped_gemm_kernel(const __grid_constant__ CUtensorMap a_map, const __grid_constant__ CUtensorMap b_map,
-                            const Fp8GroupedGemmArgs args, int num_tiles) {
+                            const __grid_constant__ CUtensorMap out_map, const Fp8GroupedGemmArgs args,
+                            int num_tiles) {
 #if defined(__CUDA_ARCH_FEAT_SM90_ALL)
-    using Smem = GemmSmem<kBlockN>;
+    using Smem = GemmSmem<kBlockN, kStaged>;
     constexpr int kStages = Smem::kStages;
     constexpr int kColumnBlocks = kBlockN / kTile;
     constexpr int kAccum = kColumnBlocks * kPart;
     extern __shared__ uint8_t smem_raw[];
     const uint32_t misalignment = smem_addr(smem_raw) % kSwizzleBytes;
     Smem& smem = *reinterpret_cast<Smem*>(smem_raw + (kSwizzleBytes - misalignment) % kSwizzleBytes);
+    uint8_t* const staging = reinterpret_cast<uint8_t*>(&smem) + sizeof(Smem);
     const int num_col_tiles = args.n_out / kBlockN;
     const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
     const int warpgroup = threadIdx.x / 128;
@@ -322,7 +382,7 @@ __global__ void __launch_bounds__(kThreads, 1)
             if (tile.row_begin >= tile.row_end) continue;
             __nv_bfloat16* out = args.out + (args.group_depth ? tile.expert * args.out_expert_stride : 0) +
                                  tile.col_tile * kBlockN;
-            if (tile.expert == args.num_experts) {
+            if (!kStaged && tile.expert == args.num_experts) {
                 zero_rows<kBlockN>(out, args.out_row_stride, tile.row_begin, tile.row_end);
                 continue;
             }
@@ -355,10 +415,31 @@ __global__ void __launch_bounds__(kThreads, 1)
                     for (int i = 0; i < kPart; ++i) acc[c * kPart + i] += part[i] * (i & 2 ? scale_1 : scale_0);
                 }
             }
-            const int row_0 = tile.row_begin + tile_row_0, row_1 = tile.row_begin + tile_row_1;
-            store_row(acc, 0, out + row_0 * args.out_row_stride, row_0 < tile.row_end, lane % 4);
-            store_row(acc, 1, out + row_1 * args.out_row_stride, row_1 < tile.row_end, lane % 4);
+            if constexpr (kStaged) {
+                // Grouped by depth every tile is whole (num_rows is a multiple of 128).
+                uint8_t* const boxes = staging + warpgroup * Smem::kStoreBoxes * Smem::kStoreBoxBytes;
+                const bool leader = threadIdx.x % 128 == 0;
+                if (leader) bulk_wait_read<0>();  // the last tile's stores are done reading the staging
+                warpgroup_barrier(warpgroup);
+                stage_rows(acc, boxes, Smem::kStoreBoxBytes, warp % 4, lane);
+                fence_proxy_async_shared();  // the writes become visible to the TMA unit
+                warpgroup_barrier(warpgroup);
+                if (leader) {
+                    for (int box = 0; box < Smem::kStoreBoxes; ++box) {
+                        tma_store_3d(&out_map, boxes + box * Smem::kStoreBoxBytes,
+                                     tile.col_tile * kBlockN + box * kStoreBoxColumns,
+                                     tile.row_begin + warpgroup * kWarpgroupRows, tile.expert);
+                    }
+                    bulk_commit();
+                }
+            } else {
+                const int row_0 = tile.row_begin + tile_row_0, row_1 = tile.row_begin + tile_row_1;
+                store_row(acc, 0, out + row_0 * args.out_row_stride, row_0 < tile.row_end, lane % 4);
+                store_row(acc, 1, out + row_1 * args.out_row_stride, row_1 < tile.row_end, lane % 4);
+            }
         }
+        // The staging must outlive the stores reading it, and the kernel's writes must be done when it ends.
+        if (kStaged && threadIdx.x % 128 == 0) bulk_wait<0>();
     }
 #endif
 }
@@ -398,9 +479,25 @@ bool encode_operand_map(CUtensorMap* map, const void* base, int rank, const cuui
                   CU_TENSOR_MAP_L2_PROMOTION_L2_256B, CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE) == CUDA_SUCCESS;
 }
 
-template <int kBlockN>
+// A TMA map of the depth-grouped output `[num_experts, num_rows, n_out]` BF16, written in boxes of
+// 64 rows x 64 columns (128 bytes) from the 128-byte swizzled staging.
+bool encode_output_map(CUtensorMap* map, const Fp8GroupedGemmArgs& args) {
+    const PFN_cuTensorMapEncodeTiled_v12000 encode = tensor_map_encoder();
+    if (encode == nullptr) return false;
+    const cuuint64_t dims[3] = {static_cast<cuuint64_t>(args.n_out), static_cast<cuuint64_t>(args.num_rows),
+                                static_cast<cuuint64_t>(args.num_experts)};
+    const cuuint64_t byte_strides[2] = {static_cast<cuuint64_t>(args.out_row_stride) * sizeof(__nv_bfloat16),
+                                        static_cast<cuuint64_t>(args.out_expert_stride) * sizeof(__nv_bfloat16)};
+    const cuuint32_t box[3] = {kStoreBoxColumns, kWarpgroupRows, 1};
+    const cuuint32_t element_strides[3] = {1, 1, 1};
+    return encode(map, CU_TENSOR_MAP_DATA_TYPE_BFLOAT16, 3, args.out, dims, byte_strides, box, element_strides,
+                  CU_TENSOR_MAP_INTERLEAVE_NONE, CU_TENSOR_MAP_SWIZZLE_128B, CU_TENSOR_MAP_L2_PROMOTION_NONE,
+                  CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE) == CUDA_SUCCESS;
+}
+
+template <int kBlockN, bool kStaged>
 cudaError_t launch_tiles(const Fp8GroupedGemmArgs& args, cudaStream_t stream) {
-    CUtensorMap a_map, b_map;
+    CUtensorMap a_map, b_map, out_map{};
     const cuuint64_t a_dims[2] = {static_cast<cuuint64_t>(args.depth), static_cast<cuuint64_t>(args.num_rows)};
     const cuuint64_t a_strides[1] = {static_cast<cuuint64_t>(args.a_row_stride)};
     const cuuint64_t b_dims[3] = {static_cast<cuuint64_t>(args.depth), static_cast<cuuint64_t>(args.n_out),
@@ -408,11 +505,13 @@ cudaError_t launch_tiles(const Fp8GroupedGemmArgs& args, cudaStream_t stream) {
     const cuuint64_t b_strides[2] = {static_cast<cuuint64_t>(args.b_row_stride),
                                      static_cast<cuuint64_t>(args.b_expert_stride)};
     if (!encode_operand_map(&a_map, args.a, 2, a_dims, a_strides, kTile) ||
-        !encode_operand_map(&b_map, args.b, 3, b_dims, b_strides, kBlockN)) {
+        !encode_operand_map(&b_map, args.b, 3, b_dims, b_strides, kBlockN) ||
+        (kStaged && !encode_output_map(&out_map, args))) {
         return cudaErrorInvalidValue;
     }
     // Raised once per (kernel, device): the limit belongs to the device's context.
-    const cudaError_t attribute = allow_dynamic_shared_memory(fp8_grouped_gemm_kernel<kBlockN>, kSmemBytes<kBlockN>);
+    const auto kernel = fp8_grouped_gemm_kernel<kBlockN, kStaged>;
+    const cudaError_t attribute = allow_dynamic_shared_memory(kernel, kSmemBytes<kBlockN, kStaged>);
     if (attribute != cudaSuccess) return attribute;
     // Grouped by rows, every segment wastes at most one partial tile, and the zero tail takes at most
     // one more. Grouped by depth, the experts are slowest, so the tiles in flight together read one
@@ -421,7 +520,7 @@ cudaError_t launch_tiles(const Fp8GroupedGemmArgs& args, cudaStream_t stream) {
                                            : (args.num_rows + kTile - 1) / kTile + args.num_experts + 1;
     const int num_tiles = row_slots * (args.n_out / kBlockN);
     const int blocks = std::min(num_tiles, std::max(device_attribute(cudaDevAttrMultiProcessorCount), 1));
-    fp8_grouped_gemm_kernel<kBlockN><<<blocks, kThreads, kSmemBytes<kBlockN>, stream>>>(a_map, b_map, args, num_tiles);
+    kernel<<<blocks, kThreads, kSmemBytes<kBlockN, kStaged>, stream>>>(a_map, b_map, out_map, args, num_tiles);
     return cudaGetLastError();
 }
 
@@ -443,7 +542,11 @@ bool fp8_grouped_gemm_supported() {
 }
 
 cudaError_t launch_fp8_grouped_gemm(const Fp8GroupedGemmArgs& args, cudaStream_t stream) {
-    return args.n_out % 256 == 0 ? launch_tiles<256>(args, stream) : launch_tiles<128>(args, stream);
+    // Grouped by depth the outputs leave through shared memory and TMA stores (see the kernel).
+    if (args.group_depth) {
+        return args.n_out % 256 == 0 ? launch_tiles<256, true>(args, stream) : launch_tiles<128, true>(args, stream);
+    }
+    return args.n_out % 256 == 0 ? launch_tiles<256, false>(args, stream) : launch_tiles<128, false>(args, stream);
 }
 
 }  // namespace moe_ep::kernels
