@@ -292,10 +292,20 @@ MOE_EP_DEVICE void stage_rows(const float (&acc)[kAccum], uint8_t* boxes, int bo
     }
 }
 
-MOE_EP_DEVICE void tma_store_3d(const CUtensorMap* map, const void* src, int x, int y, int z) {
-    asm volatile("cp.async.bulk.tensor.3d.global.shared::cta.bulk_group [%0, {%2, %3, %4}], [%1];" ::"l"(map),
-                 "r"(smem_addr(src)), "r"(x), "r"(y), "r"(z)
-                 : "memory");
+// An L2 policy that evicts the lines it covers first: the output streams through L2 once, and without it
+// pushes out the operands that the next tiles read again.
+MOE_EP_DEVICE uint64_t l2_evict_first_policy() {
+    uint64_t policy;
+    asm volatile("createpolicy.fractional.L2::evict_first.b64 %0, 1.0;" : "=l"(policy));
+    return policy;
+}
+
+MOE_EP_DEVICE void tma_store_3d(const CUtensorMap* map, const void* src, int x, int y, int z, uint64_t policy) {
+    asm volatile(
+        "cp.async.bulk.tensor.3d.global.shared::cta.bulk_group.L2::cache_hint [%0, {%2, %3, %4}], [%1], %5;" ::"l"(
+            map),
+        "r"(smem_addr(src)), "r"(x), "r"(y), "r"(z), "l"(policy)
+        : "memory");
 }
 
 // Synchronizes the 128 threads of math warpgroup `warpgroup` (named barriers 1 and 2; 0 is __syncthreads).
@@ -425,10 +435,11 @@ __global__ void __launch_bounds__(kThreads, 1)
                 fence_proxy_async_shared();  // the writes become visible to the TMA unit
                 warpgroup_barrier(warpgroup);
                 if (leader) {
+                    const uint64_t policy = l2_evict_first_policy();
                     for (int box = 0; box < Smem::kStoreBoxes; ++box) {
                         tma_store_3d(&out_map, boxes + box * Smem::kStoreBoxBytes,
                                      tile.col_tile * kBlockN + box * kStoreBoxColumns,
-                                     tile.row_begin + warpgroup * kWarpgroupRows, tile.expert);
+                                     tile.row_begin + warpgroup * kWarpgroupRows, tile.expert, policy);
                     }
                     bulk_commit();
                 }
