@@ -19,8 +19,8 @@
 // the next, so one tensor-core accumulation over all of K is not possible; the warpgroups wait for their
 // own products only, so one's scaling overlaps the other's tensor-core work. Grouped by rows, the sums
 // leave as BF16 in 16-byte stores after the four lanes sharing a row swap their column pairs. Grouped by
-// depth, a tile has only a few K blocks and 64 KB of output, so its stores would hold the tensor cores
-// for as long as its math: each math warpgroup writes its rows into shared memory instead (stmatrix, in
+// depth, a tile has only a few K blocks and 64 KB of output, and register stores left the tensor cores
+// idle for much of each tile: each math warpgroup writes its rows into shared memory instead (stmatrix, in
 // the swizzled layout TMA reads) and one of its threads hands them to TMA stores, which drain while the
 // warpgroup multiplies the next tile.
 #include <cuda.h>
