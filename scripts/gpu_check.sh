@@ -53,6 +53,9 @@ export NVSHMEM_REMOTE_TRANSPORT=${NVSHMEM_REMOTE_TRANSPORT:-none}
 OUT=${OUT:-$PWD/out}
 FILES=$OUT/files
 mkdir -p "$OUT" "$FILES"
+# A second run in the same device call adds to the files of the first instead of replacing them (the
+# archive is made, and $FILES removed, at the end of each run).
+if [[ -f $OUT/files.tgz ]]; then tar -xzf "$OUT/files.tgz" -C "$FILES"; fi
 PY=${PYTHON:-python3}
 EP=${EP:-4}
 # The whole script ends within CALL_BUDGET_S seconds (one device call allows 600): a test file that would
