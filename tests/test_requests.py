@@ -2,15 +2,15 @@
 
 from __future__ import annotations
 
-import dataclasses
-
 import pytest
 import torch
+import torch.distributed as dist
 
 import moe_ep
 from moe_ep.ops import fp8, routing, validation
-from moe_ep.ops.handles import DispatchHandle, LowLatencyHandle
+from moe_ep.ops.handles import DispatchedRouting, DispatchHandle, HandleOrigin, LowLatencyHandle
 from moe_ep.ops.requests import DispatchRequest
+from reference import make_inputs
 
 RANKS, TOKENS, HIDDEN, EXPERTS = 2, 12, 256, 8
 
@@ -38,7 +38,7 @@ def test_dispatch_request_keeps_the_arguments_and_names_the_shared_settings() ->
     assert request.agreed() == {"cached": 0, "hidden (x.shape[1])": HIDDEN, "x.dtype": 0, "x scales": -1,
                                 "topk_idx.shape[1]": 3, "topk_weights given": 1, "num_experts": EXPERTS,
                                 "config.num_sms": 20}
-    with pytest.raises(dataclasses.FrozenInstanceError):
+    with pytest.raises(AttributeError):  # frozen: a named tuple
         request.num_worst_tokens = 3
     q, scales = fp8.per_token_cast_to_fp8(x.float())
     fp8_request = dispatch_request((q, scales), topk_idx, weights, layout)
@@ -111,3 +111,61 @@ def test_dispatch_handle_is_a_six_tuple_that_may_mark_exact_rows() -> None:
     assert not DispatchHandle(*exact).exact_rows and not exact._replace(send_head=fields[0]).exact_rows
     rank_prefix, *_ = exact
     assert rank_prefix is fields[0]
+
+
+def test_a_handle_is_checked_in_full_unless_its_origin_is_a_call_like_this_one() -> None:
+    """A handle's tensor checks are skipped only for a handle whose origin (or low-latency routing) names this
+    group size and device, and for a cached dispatch this token count; any other is checked in full."""
+    x, _, _, layout = routed(5)
+    cpu = torch.device("cpu")
+    wrong = DispatchHandle(torch.zeros(RANKS, RANKS, dtype=torch.int64), torch.zeros(RANKS, 4, dtype=torch.int32),
+                           torch.zeros(RANKS, 4, dtype=torch.int32), torch.arange(5, dtype=torch.int32),
+                           layout.is_token_in_rank, torch.zeros(TOKENS, RANKS, dtype=torch.int32))
+    for origin in (None, HandleOrigin(RANKS + 1, cpu, TOKENS), HandleOrigin(RANKS, torch.device("meta"), TOKENS),
+                   HandleOrigin(RANKS, cpu, TOKENS + 1)):
+        wrong.origin = origin
+        with pytest.raises(TypeError, match="handle.rank_prefix_matrix: expected dtype torch.int32"):
+            validation.check_dispatch_handle(wrong, TOKENS, RANKS, cpu)
+    wrong.origin = HandleOrigin(RANKS, cpu, TOKENS)  # (as no backend would make it: shows the checks skipped)
+    assert validation.check_dispatch_handle(wrong, TOKENS, RANKS, cpu) is wrong
+    assert validation.check_dispatch_handle(wrong, None, RANKS, cpu) is wrong
+    with pytest.raises(TypeError, match="handle.rank_prefix_matrix"):  # rebuilt from its fields: no origin
+        validation.check_dispatch_handle(DispatchHandle(*wrong), TOKENS, RANKS, cpu)
+    with pytest.raises(TypeError, match="handle.rank_prefix_matrix"):  # DeepEP's plain tuple
+        validation.check_dispatch_handle(tuple(wrong), TOKENS, RANKS, cpu)
+
+    wrong_ll = LowLatencyHandle(torch.zeros(EXPERTS // RANKS, RANKS * 16, dtype=torch.int32),
+                                torch.zeros(EXPERTS // RANKS, RANKS, dtype=torch.int32), 16, HIDDEN, EXPERTS)
+    for routed_over in (None, DispatchedRouting(RANKS + 1, (TOKENS, 3), None)):
+        wrong_ll.routing = routed_over
+        with pytest.raises(TypeError, match="handle.layout_range: expected dtype torch.int64"):
+            validation.check_low_latency_handle(wrong_ll, RANKS)
+    wrong_ll.routing = DispatchedRouting(RANKS, (TOKENS, 3), None)
+    assert validation.check_low_latency_handle(wrong_ll, RANKS) is wrong_ll
+    with pytest.raises(TypeError, match="handle.layout_range"):
+        validation.check_low_latency_handle(tuple(wrong_ll), RANKS)
+
+
+def _handles_made(rank: int, world: int) -> None:
+    """The handles a Buffer's dispatches return record their origin, and what it vouches for holds: their
+    fields pass the full checks."""
+    inp = make_inputs(11, world, [12] * world, HIDDEN, EXPERTS, 3)[rank]
+    buffer = moe_ep.Buffer(dist.group.WORLD, low_latency_mode=True, backend="torch")
+    per_rank, _, per_expert, in_rank, _ = buffer.get_dispatch_layout(inp.topk_idx, EXPERTS)
+    x = inp.x.bfloat16()
+    recv_x, _, _, _, handle, _ = buffer.dispatch(x, num_tokens_per_rank=per_rank, is_token_in_rank=in_rank,
+                                                 num_tokens_per_expert=per_expert, topk_idx=inp.topk_idx)
+    assert handle.origin == HandleOrigin(world, x.device, 12)
+    validation.check_dispatch_handle(tuple(handle), 12, world, x.device)
+    bad = DispatchHandle(*handle)._replace(recv_src_idx=handle.recv_src_idx.long())
+    with pytest.raises(TypeError, match="handle.recv_src_idx: expected dtype torch.int32"):
+        buffer.combine(recv_x, bad)
+    with pytest.raises(ValueError, match=r"handle.is_token_in_rank: expected shape \[11, 2\]"):
+        buffer.dispatch(x[:11], handle=handle)  # the origin's token count differs: checked in full
+    _, _, ll_handle, _, _ = buffer.low_latency_dispatch(x, inp.topk_idx, 16, EXPERTS, use_fp8=False)
+    assert ll_handle.routing.num_ranks == world and ll_handle.routing.shape == (12, 3)
+    validation.check_low_latency_handle(tuple(ll_handle), world)
+
+
+def test_the_handles_a_dispatch_makes_record_their_origin(dist_pool) -> None:
+    dist_pool(RANKS).run(_handles_made)

@@ -41,6 +41,13 @@ class FakeEvent:
         LOG.append(("record", str(stream.stream_id)))
 
 
+class FakeCudaTensor:
+    """What `open_scope` reads of the call's tensor."""
+
+    is_cuda = True
+    device = torch.device("cuda", 0)
+
+
 class World:
     """The current stream and whether it is being captured."""
 
@@ -64,9 +71,8 @@ def world(monkeypatch: pytest.MonkeyPatch) -> World:
 
 def _call(order_of: streams.CommStreams, previous: Optional[EventOverlap] = None, async_finish: bool = False
           ) -> EventOverlap:
-    scope = streams.open_scope(order_of, torch.device("cuda", 0), previous, async_finish, False)
-    with scope.run():
-        pass
+    scope = streams.open_scope(order_of, FakeCudaTensor(), previous, async_finish, False)
+    scope.call(lambda: None)
     return scope.finish([], [])
 
 
@@ -129,4 +135,4 @@ def test_no_hand_off_into_a_graph_capture(world: World) -> None:
 
 def test_allocate_on_comm_stream_needs_previous_event_and_async_finish(world: World) -> None:
     with pytest.raises(ValueError, match="allocate_on_comm_stream"):
-        streams.open_scope(streams.CommStreams(), torch.device("cuda", 0), None, True, True)
+        streams.open_scope(streams.CommStreams(), FakeCudaTensor(), None, True, True)

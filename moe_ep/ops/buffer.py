@@ -15,9 +15,9 @@ from .comm_group import group_from_comm
 from .config import Config, default_combine_config, default_dispatch_config, low_latency_buffer_bytes
 from .constants import NUM_MAX_NVL_PEERS
 from .event import EventOverlap, capture_event
-from .handles import DispatchHandle, LowLatencyHandle
+from .handles import DispatchedRouting, DispatchHandle, HandleOrigin, LowLatencyHandle
 from .requests import DispatchRequest, Request
-from .streams import CommStreams, CallScope, open_scope
+from .streams import CommStreams, open_scope
 from .topology import (NodeTopology, check_num_tokens_per_rdma_rank, requested_num_ranks_per_node,
                        resolve_node_topology)
 
@@ -293,12 +293,16 @@ class Buffer:
         try:
             yield
         except (TypeError, ValueError) as exc:
-            tensor = torch.empty(0, device=device)
-            if low_latency:
-                backend = self._backend_for(tensor)
-            else:  # the peers' next exchange: learning the nodes (torch backend), or the operation's own
-                backend = self._torch if self._topology is None else self._normal_backend_for(tensor, op)
-            self._refuse(op, backend, device, exc)
+            self._refuse_input(op, device, low_latency, exc)
+
+    def _refuse_input(self, op: str, device: torch.device, low_latency: bool, error: Exception) -> NoReturn:
+        """`input_check`'s refusal of this rank's input `error`, raised once the peers know of it."""
+        tensor = torch.empty(0, device=device)
+        if low_latency:
+            backend = self._backend_for(tensor)
+        else:  # the peers' next exchange: learning the nodes (torch backend), or the operation's own
+            backend = self._torch if self._topology is None else self._normal_backend_for(tensor, op)
+        self._refuse(op, backend, device, error)
 
     def _refuse(self, op: str, backend: CommBackend, device: torch.device, error: Exception) -> NoReturn:
         """Raise this rank's input `error` once its peers know of it (`input_check`), through the backend
@@ -306,28 +310,39 @@ class Buffer:
         backend.agree(op, {}, error, device)  # raises `error`
         raise error
 
-    def _request(self, op: str, x: object, build: Callable[[], RequestT],
+    def _request(self, op: str, x: object, build: Callable[..., RequestT], args: tuple,
                  low_latency: bool = False) -> tuple[CommBackend, RequestT]:
-        """The backend for `x`'s device and the checked request `build` returns, the operation started on
-        it; if any rank's checks failed, every rank raises (the failing rank its own error)."""
+        """The backend for `x`'s device and the checked request `build(*args)` returns, the operation started
+        on it; if any rank's checks failed, every rank raises (the failing rank its own error). (The
+        arguments come as a tuple: a closure over them costs twice as much.)"""
         tensor = x if isinstance(x, torch.Tensor) else torch.empty(0)
         backend = self._backend_for(tensor) if low_latency else self._normal_backend_for(tensor, op)
         try:  # `input_check`, without a context manager's cost on every call
             if low_latency:
                 self._require_low_latency(op)
-            request = build()
+            request = build(*args)
         except (TypeError, ValueError) as exc:
             self._refuse(op, backend, tensor.device, exc)
         backend.start(op, request)
         return backend, request
 
-    def _scope(self, device: torch.device, previous_event: Optional[EventOverlap], async_finish: bool,
-               allocate_on_comm_stream: bool) -> CallScope:
-        return open_scope(self._streams, device, previous_event, async_finish, allocate_on_comm_stream)
-
     def _require_low_latency(self, op: str) -> None:
         if not self.low_latency_mode:
             raise ValueError(f"{op}: the Buffer was created with low_latency_mode=False")
+
+    def _dispatch_request(self, x: object, handle: object, num_tokens_per_rank: object,
+                          num_tokens_per_rdma_rank: object, is_token_in_rank: object, num_tokens_per_expert: object,
+                          topk_idx: object, topk_weights: object, expert_alignment: object, num_worst_tokens: object,
+                          config: Config) -> DispatchRequest:
+        """The checked request of a `dispatch` call; a fresh dispatch's `num_tokens_per_rdma_rank` is checked
+        against the nodes."""
+        request = check.dispatch_request(x, handle, num_tokens_per_rank, is_token_in_rank, num_tokens_per_expert,
+                                         topk_idx, topk_weights, expert_alignment, num_worst_tokens, config,
+                                         self.group_size)
+        if request.handle is None:
+            check_num_tokens_per_rdma_rank(num_tokens_per_rdma_rank, request.is_token_in_rank, self.node_topology(),
+                                           request.x.device)
+        return request
 
     # ------------------------------------------------------------------ normal mode
 
@@ -349,16 +364,16 @@ class Buffer:
         Returns `(num_tokens_per_rank [R] int32, num_tokens_per_rdma_rank (None in one node),
         num_tokens_per_expert [E] int32, is_token_in_rank [T, R] bool, event)`.
         """
-        with self.input_check("get_dispatch_layout", getattr(topk_idx, "device", torch.device("cpu"))):
-            check.check_topk_idx("topk_idx", topk_idx, None, getattr(topk_idx, "device", None))
+        try:  # `input_check`, without a context manager's cost on every call
+            check.check_topk_idx("topk_idx", topk_idx, None, None)  # any device: the layout's is topk_idx's
             check.check_num_experts(num_experts, self.group_size)
             check.check_topk_values("topk_idx", topk_idx, num_experts)
+        except (TypeError, ValueError) as exc:
+            self._refuse_input("get_dispatch_layout", getattr(topk_idx, "device", torch.device("cpu")), False, exc)
         backend = self._normal_backend_for(topk_idx, "get_dispatch_layout")
-        scope = self._scope(topk_idx.device, previous_event, async_finish, allocate_on_comm_stream)
-        with scope.run():
-            layout = backend.get_dispatch_layout(topk_idx, num_experts)
-        event = scope.finish([topk_idx], list(layout))
-        return (*layout, event)
+        scope = open_scope(self._streams, topk_idx, previous_event, async_finish, allocate_on_comm_stream)
+        layout = scope.call(backend.get_dispatch_layout, topk_idx, num_experts)
+        return (*layout, scope.finish((topk_idx,), layout))
 
     def dispatch(
         self,
@@ -408,31 +423,24 @@ class Buffer:
         `num_worst_tokens`); the `DispatchHandle` for `combine` and cached dispatch. A cached dispatch
         sets only `recv_x` and `event`. Exact values: docs/semantics.md.
         """
-        config = config if config is not None else self.get_dispatch_config(self.group_size)
-        op = "dispatch" if handle is None else "cached_dispatch"
-
-        def build() -> DispatchRequest:
-            request = check.dispatch_request(x, handle, num_tokens_per_rank, is_token_in_rank, num_tokens_per_expert,
-                                             topk_idx, topk_weights, expert_alignment, num_worst_tokens, config,
-                                             self.group_size)
-            if not request.cached:
-                check_num_tokens_per_rdma_rank(num_tokens_per_rdma_rank, request.is_token_in_rank,
-                                               self.node_topology(), request.x.device)
-            return request
-
+        # The default config without `get_dispatch_config`'s check of a group size known to be valid.
+        config = config if config is not None else default_dispatch_config(self.group_size, Buffer.num_sms)
         _await_for_value_checks(previous_event)
-        backend, request = self._request(op, x[0] if isinstance(x, tuple) and x else x, build)
-        scope = self._scope(request.x.device, previous_event, async_finish, allocate_on_comm_stream)
+        backend, request = self._request(
+            "dispatch" if handle is None else "cached_dispatch", x[0] if isinstance(x, tuple) and x else x,
+            self._dispatch_request, (x, handle, num_tokens_per_rank, num_tokens_per_rdma_rank, is_token_in_rank,
+                                     num_tokens_per_expert, topk_idx, topk_weights, expert_alignment,
+                                     num_worst_tokens, config))
+        scope = open_scope(self._streams, request.x, previous_event, async_finish, allocate_on_comm_stream)
         fp8 = request.x_scales is not None
-        if request.cached:
-            with scope.run():
-                recv_x, recv_scales = backend.cached_dispatch(request)
-            event = scope.finish(request.inputs(), [recv_x, recv_scales])
+        if request.handle is not None:  # a cached dispatch
+            recv_x, recv_scales = scope.call(backend.cached_dispatch, request)
+            event = scope.finish(request, (recv_x, recv_scales))
             return (recv_x, recv_scales) if fp8 else recv_x, None, None, None, None, event
-        with scope.run():
-            result = backend.dispatch(request)
-        event = scope.finish(request.inputs(), [result.recv_x, result.recv_x_scales, result.recv_topk_idx,
-                                                result.recv_topk_weights, result.handle])
+        result = scope.call(backend.dispatch, request)
+        if isinstance(result.handle, DispatchHandle):  # an internode handle keeps no origin: checked in full
+            result.handle.origin = HandleOrigin(self.group_size, request.x.device, request.x.shape[0])
+        event = scope.finish(request, result)
         recv = (result.recv_x, result.recv_x_scales) if fp8 else result.recv_x
         return (recv, result.recv_topk_idx, result.recv_topk_weights, result.num_recv_tokens_per_expert_list,
                 result.handle, event)
@@ -462,14 +470,13 @@ class Buffer:
         Returns `(combined_x [T, H], combined_topk_weights [T, k] or None, event)`, summed in float32
         (float64 for fp64) in rank order (docs/semantics.md).
         """
-        config = config if config is not None else self.get_combine_config(self.group_size)
+        config = config if config is not None else default_combine_config(self.group_size, Buffer.num_sms)
         _await_for_value_checks(previous_event)
-        backend, request = self._request("combine", x, lambda: check.combine_request(
-            x, handle, topk_weights, bias, config, self.group_size))
-        scope = self._scope(request.x.device, previous_event, async_finish, allocate_on_comm_stream)
-        with scope.run():
-            combined_x, combined_weights = backend.combine(request)
-        return combined_x, combined_weights, scope.finish(request.inputs(), [combined_x, combined_weights])
+        backend, request = self._request("combine", x, check.combine_request,
+                                         (x, handle, topk_weights, bias, config, self.group_size))
+        scope = open_scope(self._streams, request.x, previous_event, async_finish, allocate_on_comm_stream)
+        combined_x, combined_weights = scope.call(backend.combine, request)
+        return combined_x, combined_weights, scope.finish(request, (combined_x, combined_weights))
 
     # ------------------------------------------------------------------ low-latency mode
 
@@ -516,19 +523,21 @@ class Buffer:
         `[E_local, R*max, H/128]` float32 or `[E_local, R*max, ceil(H/512)]` int32, token dimension
         contiguous; `hook` None without `return_recv_hook`.
         """
-        backend, request = self._request("low_latency_dispatch", x, lambda: check.low_latency_dispatch_request(
+        backend, request = self._request("low_latency_dispatch", x, check.low_latency_dispatch_request, (
             x, topk_idx, num_max_dispatch_tokens_per_rank, num_experts, cumulative_local_expert_recv_stats,
             dispatch_wait_recv_cost_stats, use_fp8, round_scale, use_ue8m0, async_finish, return_recv_hook,
             self.group_size), low_latency=True)
-        scope = self._scope(request.x.device, None, async_finish, False)
-        with scope.run():
-            result, hook = backend.low_latency_dispatch(request)
-        # The combine must route as this dispatch did: the handle records it (the values, copied on the
-        # current stream where topk_idx was made, only while value checks are on, which compare them).
-        handle = result.handle.with_routing(request.topk_idx, check.value_checks_enabled())
-        event = scope.finish(request.inputs(), [result.recv_x, result.recv_x_scales, result.recv_count, handle])
+        scope = open_scope(self._streams, request.x, None, async_finish, False)
+        result, hook = scope.call(backend.low_latency_dispatch, request)
+        # The combine must route as this dispatch did: the handle, made for this call, records it (the values,
+        # copied on the current stream where topk_idx was made, only while value checks are on, which compare
+        # them).
+        topk_idx = request.topk_idx
+        result.handle.routing = DispatchedRouting(self.group_size, topk_idx.shape,
+                                                  topk_idx.clone() if check.value_checks_enabled() else None)
+        event = scope.finish(request, result)
         recv = (result.recv_x, result.recv_x_scales) if use_fp8 else result.recv_x
-        return recv, result.recv_count, handle, event, hook
+        return recv, result.recv_count, result.handle, event, hook
 
     def low_latency_combine(
         self,
@@ -569,13 +578,12 @@ class Buffer:
 
         Returns `(combined_x [T, H] bf16, event, hook)`.
         """
-        backend, request = self._request("low_latency_combine", x, lambda: check.low_latency_combine_request(
+        backend, request = self._request("low_latency_combine", x, check.low_latency_combine_request, (
             x, topk_idx, topk_weights, handle, use_logfmt, zero_copy, async_finish, return_recv_hook, out,
             combine_wait_recv_cost_stats, self.group_size), low_latency=True)
-        scope = self._scope(request.x.device, None, async_finish, False)
-        with scope.run():
-            combined, hook = backend.low_latency_combine(request)
-        return combined, scope.finish(request.inputs(), [combined]), hook
+        scope = open_scope(self._streams, request.x, None, async_finish, False)
+        combined, hook = scope.call(backend.low_latency_combine, request)
+        return combined, scope.finish(request, (combined,)), hook
 
     def get_next_low_latency_combine_buffer(self, handle: LowLatencyHandle) -> torch.Tensor:
         """The `[E_local, R*max, H]` bf16 buffer a `zero_copy` combine reads: write expert outputs into it."""

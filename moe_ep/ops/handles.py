@@ -7,6 +7,17 @@ from typing import NamedTuple, Optional
 import torch
 
 
+class HandleOrigin(NamedTuple):
+    """The `Buffer.dispatch` call that made a handle. The backend made the handle's tensors with the dtypes,
+    shapes and device that the checks of a handle want for this group size and device (a handle's tensors
+    keep them: it is a tuple), so a later call with the same group size and device skips those checks; a
+    handle rebuilt from its fields has no origin and is checked in full."""
+
+    num_ranks: int  # R, the Buffer's group size
+    device: torch.device  # where the dispatch's tokens were
+    num_tokens: int  # T, the dispatch's source tokens
+
+
 class _DispatchHandleFields(NamedTuple):
     rank_prefix_matrix: torch.Tensor  # [R_src, R_dst] int32, inclusive prefix over source ranks
     channel_prefix_matrix: torch.Tensor  # [R_dst, C] int32, sender side, inclusive prefix over channels
@@ -23,10 +34,11 @@ class DispatchHandle(_DispatchHandleFields):
     Besides its six fields, a handle made by a dispatch without `num_worst_tokens` carries
     `exact_rows=True`: it describes exactly the rows received, none of padding, so that a cached dispatch
     with it needs no padding pass. A handle rebuilt from the six fields has False (padding is then
-    written wherever the counts leave rows over).
+    written wherever the counts leave rows over). `Buffer.dispatch` also records its `origin`.
     """
 
     exact_rows: bool = False
+    origin: Optional[HandleOrigin] = None
 
     def with_exact_rows(self) -> "DispatchHandle":
         """This handle, marked as describing exactly the rows its dispatch received."""
@@ -57,8 +69,11 @@ class InternodeDispatchHandle(NamedTuple):
 
 
 class DispatchedRouting(NamedTuple):
-    """What a low-latency combine must repeat of its dispatch's routing."""
+    """What a low-latency combine must repeat of its dispatch's routing. The backend made the handle's
+    `layout_range` `[E/R, R]` int64 for the dispatch's group size (a handle's tensors keep their dtype and
+    shape: it is a tuple), so a combine over as many ranks needs not check it."""
 
+    num_ranks: int  # R, the dispatch's group size
     shape: tuple[int, int]  # (T, k) of the dispatch's topk_idx
     topk_idx: Optional[torch.Tensor]  # a copy of it, kept while value checks are on
 
@@ -75,15 +90,8 @@ class LowLatencyHandle(_LowLatencyHandleFields):
     """Layout of one low-latency dispatch, reused by low-latency combine; a 5-tuple like DeepEP's.
 
     Besides its five fields, a handle made by `Buffer.low_latency_dispatch` carries `routing`, the
-    dispatch's top-k that the combine must repeat (`Buffer` checks it); a handle rebuilt from the five
-    fields has none, and its combine is checked only as far as the exchanged sizes go.
+    dispatch's group size and top-k that the combine must repeat (`Buffer` checks them); a handle rebuilt
+    from the five fields has none, and its combine is checked only as far as the exchanged sizes go.
     """
 
     routing: Optional[DispatchedRouting] = None
-
-    def with_routing(self, topk_idx: torch.Tensor, keep_values: bool) -> "LowLatencyHandle":
-        """This handle, recording `topk_idx` as its dispatch's routing (the values only with `keep_values`)."""
-        handle = LowLatencyHandle(*self)
-        handle.routing = DispatchedRouting((topk_idx.size(0), topk_idx.size(1)),
-                                           topk_idx.clone() if keep_values else None)
-        return handle

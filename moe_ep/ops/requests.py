@@ -2,14 +2,13 @@
 
 `moe_ep.ops.validation` builds them from a `Buffer` call (raising on bad input); a backend reads
 them and moves data. Shapes use the notation of docs/semantics.md (`T` tokens, `H` hidden, `k` top-k
-slots, `R` ranks, `E` experts).
+slots, `R` ranks, `E` experts). Requests are named tuples: one is built per call, and a tuple costs a
+quarter of a frozen dataclass to build; its fields are the operation's inputs.
 """
 
 from __future__ import annotations
 
-from abc import ABC, abstractmethod
-from dataclasses import dataclass
-from typing import Optional
+from typing import NamedTuple, Optional, Protocol
 
 import torch
 
@@ -21,20 +20,14 @@ DTYPE_CODES = {dtype: code for code, dtype in enumerate(
 """A number per token dtype, so that ranks can compare dtypes in an integer all-gather."""
 
 
-class Request(ABC):
-    """What every request offers the `Buffer`."""
+class Request(Protocol):
+    """What every request offers the `Buffer`; its fields (tensors and handles) are the operation's inputs."""
 
-    def inputs(self) -> list[object]:
-        """Every field: the tensors among them (handles included) are the operation's inputs."""
-        return list(vars(self).values())  # a dataclass's fields, in order (cheaper than `fields()`)
-
-    @abstractmethod
     def agreed(self) -> dict[str, int]:
         """The settings every rank must share for this operation, by the name an error shows."""
 
 
-@dataclass(frozen=True, eq=False)
-class DispatchRequest(Request):
+class DispatchRequest(NamedTuple):
     """A normal-mode dispatch; with `handle`, a cached dispatch (no layout, top-k or alignment then)."""
 
     x: torch.Tensor  # [T, H] bf16/fp16/fp32/fp64, or float8_e4m3fn with x_scales
@@ -66,8 +59,7 @@ class DispatchRequest(Request):
                 "config.num_sms": self.config.num_sms}
 
 
-@dataclass(frozen=True, eq=False)
-class CombineRequest(Request):
+class CombineRequest(NamedTuple):
     """A normal-mode combine of the rows a dispatch delivered, back onto their source tokens."""
 
     x: torch.Tensor  # [N, H], the rows of the dispatch behind `handle`
@@ -82,8 +74,7 @@ class CombineRequest(Request):
                 "topk_weights.shape[1]": -1 if self.topk_weights is None else self.topk_weights.size(1)}
 
 
-@dataclass(frozen=True, eq=False)
-class LowLatencyDispatchRequest(Request):
+class LowLatencyDispatchRequest(NamedTuple):
     """A low-latency dispatch into the packed `[E/R, R * num_max_dispatch_tokens_per_rank, H]` layout."""
 
     x: torch.Tensor  # [T, H] bf16, T <= num_max_dispatch_tokens_per_rank
@@ -103,8 +94,7 @@ class LowLatencyDispatchRequest(Request):
                 "use_fp8": int(self.use_fp8), "round_scale": int(self.round_scale), "use_ue8m0": int(self.use_ue8m0)}
 
 
-@dataclass(frozen=True, eq=False)
-class LowLatencyCombineRequest(Request):
+class LowLatencyCombineRequest(NamedTuple):
     """A low-latency combine: expert outputs back to their tokens, weighted and summed."""
 
     x: torch.Tensor  # [E/R, R * max, H] bf16 (read from the send buffer instead with zero_copy)

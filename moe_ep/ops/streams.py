@@ -12,12 +12,13 @@ it and nothing is recorded.
 
 from __future__ import annotations
 
-import contextlib
-from typing import ContextManager, Optional, Sequence
+from typing import Callable, Optional, Sequence, TypeVar
 
 import torch
 
 from .event import EventOverlap
+
+Result = TypeVar("Result")
 
 
 class DeviceOrder:
@@ -86,32 +87,18 @@ class CommStreams:
         return self.of(device).comm
 
 
-class _OnStream:
-    """Makes `stream` the current one inside (what `torch.cuda.stream` does, with fewer runtime calls:
-    the caller already knows the stream to go back to)."""
-
-    def __init__(self, stream: torch.cuda.Stream, back_to: torch.cuda.Stream) -> None:
-        self.stream, self.back_to = stream, back_to
-
-    def __enter__(self) -> None:
-        torch.cuda.set_stream(self.stream)
-
-    def __exit__(self, *exc: object) -> None:
-        torch.cuda.set_stream(self.back_to)
-
-
 class CallScope:
     """Where one call's work runs. This one, a synchronous call's: where the caller is, its outputs ready
     in that stream's order."""
 
-    def run(self) -> ContextManager[object]:
-        return _NOTHING
+    def call(self, work: Callable[..., Result], *args: object) -> Result:
+        """`work(*args)`, run where the call's work runs."""
+        return work(*args)
 
     def finish(self, inputs: Sequence[object], outputs: Sequence[object]) -> EventOverlap:
         return EventOverlap()
 
 
-_NOTHING = contextlib.nullcontext()
 SYNCHRONOUS = CallScope()
 
 
@@ -136,8 +123,13 @@ class OnCommStream(CallScope):
             self.comm.wait_event(order.enter)
             order.take_comm(self.compute)
 
-    def run(self) -> ContextManager[object]:
-        return _OnStream(self.comm, self.compute)
+    def call(self, work: Callable[..., Result], *args: object) -> Result:
+        # What `torch.cuda.stream` does, with fewer runtime calls: the stream to go back to is known.
+        torch.cuda.set_stream(self.comm)
+        try:
+            return work(*args)
+        finally:
+            torch.cuda.set_stream(self.compute)
 
     def finish(self, inputs: Sequence[object], outputs: Sequence[object]) -> EventOverlap:
         if not self.async_finish:
@@ -159,14 +151,15 @@ class OnCommStream(CallScope):
         return EventOverlap(event, tuple(_tensors(inputs)) + tuple(_tensors(outputs)))
 
 
-def open_scope(streams: CommStreams, device: torch.device, previous_event: Optional[EventOverlap],
+def open_scope(streams: CommStreams, tensor: torch.Tensor, previous_event: Optional[EventOverlap],
                async_finish: bool, allocate_on_comm_stream: bool) -> CallScope:
-    """Where one Buffer call's work runs (see the module docstring): `run()` is the context the work runs
-    in, `finish(inputs, outputs)` returns the call's event."""
+    """Where one Buffer call's work on `tensor`'s device runs (see the module docstring): `call(work, *args)`
+    runs the work there, `finish(inputs, outputs)` returns the call's event."""
     if allocate_on_comm_stream and (previous_event is None or not async_finish):
         raise ValueError("allocate_on_comm_stream: requires previous_event and async_finish=True")
-    if device.type != "cuda":
+    if not tensor.is_cuda:  # (a fifth of `device.type`'s cost)
         return SYNCHRONOUS
+    device = tensor.device
     order = streams.of(device)
     if async_finish or (previous_event is not None and previous_event.event is not None):
         return OnCommStream(order, device, previous_event, async_finish, allocate_on_comm_stream)

@@ -49,21 +49,28 @@ def check_tensor(
     contiguous: bool = False,
 ) -> torch.Tensor:
     """Check type, dtype, shape (None entries match any size), device and contiguity of one tensor."""
-    # Plain comparisons and loops: this runs several times in every call.
+    # Plain comparisons, each property read once: this runs several times in every call (an indexed loop
+    # over the sizes costs half of a `zip` over a torch.Size).
     if not isinstance(tensor, torch.Tensor):
         raise TypeError(f"{name}: expected a torch.Tensor, got {type(tensor).__name__}")
-    if dtype is not None and tensor.dtype is not dtype and (isinstance(dtype, torch.dtype) or tensor.dtype not in dtype):
-        allowed = (dtype,) if isinstance(dtype, torch.dtype) else tuple(dtype)
-        raise TypeError(f"{name}: expected dtype {_fmt_dtypes(allowed)}, got {tensor.dtype}")
+    if dtype is not None:
+        got = tensor.dtype
+        if got is not dtype and (isinstance(dtype, torch.dtype) or got not in dtype):
+            allowed = (dtype,) if isinstance(dtype, torch.dtype) else tuple(dtype)
+            raise TypeError(f"{name}: expected dtype {_fmt_dtypes(allowed)}, got {got}")
     if shape is not None:
         sizes = tensor.shape
         fits = len(sizes) == len(shape)
-        for want, got in zip(shape, sizes):
-            if want is not None and want != got:
-                fits = False
+        if fits:
+            i = 0
+            for want in shape:
+                if want is not None and want != sizes[i]:
+                    fits = False
+                    break
+                i += 1
         if not fits:
             wanted = "[" + ", ".join("*" if s is None else str(s) for s in shape) + "]"
-            raise ValueError(f"{name}: expected shape {wanted}, got {list(tensor.shape)}")
+            raise ValueError(f"{name}: expected shape {wanted}, got {list(sizes)}")
     if device is not None and tensor.device != device:
         raise ValueError(f"{name}: expected a tensor on {device}, got one on {tensor.device}")
     if contiguous and not tensor.is_contiguous():
@@ -86,10 +93,10 @@ def check_num_experts(num_experts: object, num_ranks: int) -> int:
 
 def check_hidden_bytes(name: str, tensor: torch.Tensor) -> None:
     """Rows are moved as 16-byte vectors: the row size in bytes must be a multiple of 16."""
-    row_bytes = tensor.size(-1) * tensor.element_size()
-    if row_bytes % ROW_ALIGNMENT_BYTES != 0:
+    hidden = tensor.shape[-1]
+    if hidden * tensor.element_size() % ROW_ALIGNMENT_BYTES != 0:
         raise ValueError(
-            f"{name}: a row must be a multiple of {ROW_ALIGNMENT_BYTES} bytes, got hidden {tensor.size(-1)} x "
+            f"{name}: a row must be a multiple of {ROW_ALIGNMENT_BYTES} bytes, got hidden {hidden} x "
             f"{tensor.element_size()} bytes"
         )
 
@@ -103,8 +110,9 @@ def check_topk_idx(name: str, topk_idx: object, num_tokens: Optional[int], devic
     """Shape, dtype and device of a `[num_tokens, k]` int64 top-k tensor with 1 <= k <= 32 (any token
     count when `num_tokens` is None)."""
     check_tensor(name, topk_idx, dtype=torch.int64, shape=(num_tokens, None), device=device, contiguous=True)
-    if not 1 <= topk_idx.size(1) <= NUM_MAX_TOPK:
-        raise ValueError(f"{name}: expected between 1 and {NUM_MAX_TOPK} top-k slots, got {topk_idx.size(1)}")
+    num_slots = topk_idx.shape[1]
+    if not 1 <= num_slots <= NUM_MAX_TOPK:
+        raise ValueError(f"{name}: expected between 1 and {NUM_MAX_TOPK} top-k slots, got {num_slots}")
     return topk_idx
 
 
@@ -175,7 +183,7 @@ def check_layout_values(topk_idx: Optional[torch.Tensor], num_tokens_per_rank: t
 def check_dispatched_routing(name: str, topk_idx: torch.Tensor, routing_of_dispatch: DispatchedRouting) -> None:
     """A low-latency combine's `topk_idx` is its dispatch's: same shape (always checked) and values (when
     the handle kept them and value checks are on)."""
-    if tuple(topk_idx.shape) != routing_of_dispatch.shape:
+    if topk_idx.shape != routing_of_dispatch.shape:
         raise ValueError(f"{name}: expected the dispatch's top-k of shape {list(routing_of_dispatch.shape)} (the "
                          f"dispatch behind handle), got {list(topk_idx.shape)}")
     kept = routing_of_dispatch.topk_idx
@@ -189,7 +197,7 @@ def check_dispatched_routing(name: str, topk_idx: torch.Tensor, routing_of_dispa
 
 
 def check_topk_weights(name: str, topk_weights: object, topk_idx: torch.Tensor) -> torch.Tensor:
-    return check_tensor(name, topk_weights, dtype=torch.float32, shape=tuple(topk_idx.shape), device=topk_idx.device,
+    return check_tensor(name, topk_weights, dtype=torch.float32, shape=topk_idx.shape, device=topk_idx.device,
                         contiguous=True)
 
 
@@ -203,8 +211,15 @@ _HANDLE_TYPES = {len(DispatchHandle._fields): DispatchHandle,
 def check_dispatch_handle(handle: object, num_tokens: Optional[int], num_ranks: int,
                           device: torch.device) -> DispatchHandle:
     """A normal-mode handle, one-node or internode (`num_tokens`: the source tokens it must describe, None
-    for any). An internode handle stays one: its first fields are a `DispatchHandle`'s."""
-    if isinstance(handle, (DispatchHandle, InternodeDispatchHandle)):
+    for any). An internode handle stays one: its first fields are a `DispatchHandle`'s. A handle whose
+    `origin` has this group size and device needs no tensor checks (`HandleOrigin`)."""
+    if isinstance(handle, DispatchHandle):
+        origin = handle.origin
+        if (origin is not None and origin.num_ranks == num_ranks and origin.device == device
+                and (num_tokens is None or origin.num_tokens == num_tokens)):
+            return handle
+        hdl = handle
+    elif isinstance(handle, InternodeDispatchHandle):
         hdl = handle
     elif isinstance(handle, tuple) and len(handle) in _HANDLE_TYPES:
         hdl = _HANDLE_TYPES[len(handle)](*handle)  # a plain tuple, as DeepEP's handles are
@@ -219,9 +234,16 @@ def check_dispatch_handle(handle: object, num_tokens: Optional[int], num_ranks: 
 
 
 def check_low_latency_handle(handle: object, num_ranks: int) -> LowLatencyHandle:
-    if not isinstance(handle, tuple) or len(handle) != len(LowLatencyHandle._fields):
+    """A low-latency handle; one whose dispatch routed over this group size needs no tensor check
+    (`DispatchedRouting`)."""
+    if isinstance(handle, LowLatencyHandle):
+        if handle.routing is not None and handle.routing.num_ranks == num_ranks:
+            return handle
+        hdl = handle  # keeps its routing
+    elif isinstance(handle, tuple) and len(handle) == len(LowLatencyHandle._fields):
+        hdl = LowLatencyHandle(*handle)
+    else:
         raise ValueError("handle: expected the handle returned by low_latency_dispatch")
-    hdl = handle if isinstance(handle, LowLatencyHandle) else LowLatencyHandle(*handle)  # keeps its routing
     check_tensor("handle.layout_range", hdl.layout_range, dtype=torch.int64,
                  shape=(hdl.num_experts // num_ranks, num_ranks))
     return hdl
@@ -234,15 +256,16 @@ def _device_of(x: object) -> torch.device:
 
 
 def _check_tokens(x: object, device: torch.device) -> tuple[torch.Tensor, Optional[torch.Tensor]]:
-    """A dispatch's `x`: rows, or FP8 rows with their scales; returns `(data, scales or None)`."""
+    """A dispatch's `x`: rows, or FP8 rows with their scales, the scales on `device` (where the rows are);
+    returns `(data, scales or None)`."""
     if not isinstance(x, tuple):
-        check_tensor("x", x, dtype=NORMAL_DTYPES, shape=(None, None), device=device, contiguous=True)
+        check_tensor("x", x, dtype=NORMAL_DTYPES, shape=(None, None), contiguous=True)
         check_hidden_bytes("x", x)
         return x, None
     if len(x) != 2:
         raise ValueError(f"x: expected a tensor or a (data, scales) pair, got a tuple of {len(x)}")
     data, scales = x
-    check_tensor("x[0]", data, dtype=torch.float8_e4m3fn, shape=(None, None), device=device, contiguous=True)
+    check_tensor("x[0]", data, dtype=torch.float8_e4m3fn, shape=(None, None), contiguous=True)
     check_fp8_hidden("x[0]", data.size(1))
     check_tensor("x[1]", scales, dtype=(torch.float32, torch.int32), shape=(data.size(0), None), device=device)
     if scales.size(1) < 1 or scales.stride(1) != 1 and scales.size(1) > 1:
@@ -271,10 +294,10 @@ def dispatch_request(x: object, handle: object, num_tokens_per_rank: object, is_
     device = _device_of(x[0] if isinstance(x, tuple) and x else x)
     data, scales = _check_tokens(x, device)
     if handle is not None:
-        if any(t is not None for t in (num_tokens_per_rank, is_token_in_rank, num_tokens_per_expert, topk_idx,
-                                       topk_weights)):
+        if (num_tokens_per_rank is not None or is_token_in_rank is not None or num_tokens_per_expert is not None
+                or topk_idx is not None or topk_weights is not None):
             raise ValueError("handle: a cached dispatch takes no layout, topk_idx or topk_weights")
-        hdl = check_dispatch_handle(handle, data.size(0), num_ranks, device)
+        hdl = check_dispatch_handle(handle, data.shape[0], num_ranks, device)
         return DispatchRequest(data, scales, None, None, None, None, None, expert_alignment, num_worst_tokens, config,
                                hdl)
     _check_layout(num_tokens_per_rank, is_token_in_rank, num_tokens_per_expert, data.size(0), num_ranks, device)
@@ -302,13 +325,14 @@ def combine_request(x: object, handle: object, topk_weights: object, bias: objec
     """The checked request of a `Buffer.combine` call."""
     device = _device_of(x)
     bias_0, bias_1 = _split_bias(bias)
-    check_tensor("x", x, dtype=NORMAL_DTYPES, shape=(None, None), device=device, contiguous=True)
+    check_tensor("x", x, dtype=NORMAL_DTYPES, shape=(None, None), contiguous=True)
     check_hidden_bytes("x", x)
     hdl = check_dispatch_handle(handle, None, num_ranks, device)
-    if x.size(0) != hdl.recv_src_idx.numel():
-        raise ValueError(f"x: expected {hdl.recv_src_idx.numel()} rows (as dispatched), got {x.size(0)}")
+    rows = x.shape[0]
+    if rows != hdl.recv_src_idx.numel():
+        raise ValueError(f"x: expected {hdl.recv_src_idx.numel()} rows (as dispatched), got {rows}")
     if topk_weights is not None:
-        check_tensor("topk_weights", topk_weights, dtype=torch.float32, shape=(x.size(0), None), device=device,
+        check_tensor("topk_weights", topk_weights, dtype=torch.float32, shape=(rows, None), device=device,
                      contiguous=True)
     for name, b in (("bias[0]", bias_0), ("bias[1]", bias_1)):
         if b is not None:
@@ -334,14 +358,15 @@ def low_latency_dispatch_request(x: object, topk_idx: object, num_max_dispatch_t
     _check_hook_without_async(async_finish, return_recv_hook)
     check_positive_int("num_max_dispatch_tokens_per_rank", num_max_dispatch_tokens_per_rank)
     check_num_experts(num_experts, num_ranks)
-    check_tensor("x", x, dtype=torch.bfloat16, shape=(None, None), device=device, contiguous=True)
+    check_tensor("x", x, dtype=torch.bfloat16, shape=(None, None), contiguous=True)
     check_hidden_bytes("x", x)
+    num_tokens, hidden = x.shape
     if use_fp8:
-        check_fp8_hidden("x", x.size(1))
-    if x.size(0) > num_max_dispatch_tokens_per_rank:
-        raise ValueError(f"x: {x.size(0)} tokens exceed num_max_dispatch_tokens_per_rank="
+        check_fp8_hidden("x", hidden)
+    if num_tokens > num_max_dispatch_tokens_per_rank:
+        raise ValueError(f"x: {num_tokens} tokens exceed num_max_dispatch_tokens_per_rank="
                          f"{num_max_dispatch_tokens_per_rank}")
-    check_topk_idx("topk_idx", topk_idx, x.size(0), device)
+    check_topk_idx("topk_idx", topk_idx, num_tokens, device)
     check_topk_values("topk_idx", topk_idx, num_experts)
     if cumulative_local_expert_recv_stats is not None:
         check_tensor("cumulative_local_expert_recv_stats", cumulative_local_expert_recv_stats, dtype=torch.int32,
@@ -367,17 +392,18 @@ def low_latency_combine_request(x: object, topk_idx: object, topk_weights: objec
         logfmt.check_hidden("use_logfmt", hdl.hidden)
     max_tokens = hdl.num_max_dispatch_tokens_per_rank
     check_tensor("x", x, dtype=torch.bfloat16, shape=(hdl.num_experts // num_ranks, num_ranks * max_tokens, hdl.hidden),
-                 device=device, contiguous=True)
+                 contiguous=True)
     check_topk_idx("topk_idx", topk_idx, None, device)
-    if topk_idx.size(0) > max_tokens:
-        raise ValueError(f"topk_idx: {topk_idx.size(0)} tokens exceed num_max_dispatch_tokens_per_rank={max_tokens}")
+    num_tokens = topk_idx.shape[0]
+    if num_tokens > max_tokens:
+        raise ValueError(f"topk_idx: {num_tokens} tokens exceed num_max_dispatch_tokens_per_rank={max_tokens}")
     if hdl.routing is not None:
         check_dispatched_routing("topk_idx", topk_idx, hdl.routing)
     if hdl.routing is None or hdl.routing.topk_idx is None:  # else equal to ids the dispatch checked
         check_topk_values("topk_idx", topk_idx, hdl.num_experts)
     check_topk_weights("topk_weights", topk_weights, topk_idx)
     if out is not None:
-        check_tensor("out", out, dtype=torch.bfloat16, shape=(topk_idx.size(0), hdl.hidden), device=device,
+        check_tensor("out", out, dtype=torch.bfloat16, shape=(num_tokens, hdl.hidden), device=device,
                      contiguous=True)
     if combine_wait_recv_cost_stats is not None:
         check_tensor("combine_wait_recv_cost_stats", combine_wait_recv_cost_stats, dtype=torch.int64,
