@@ -156,6 +156,9 @@ if has deepgemm; then
             >> "$OUT/build.log" 2>&1 && (cd / && $PY -c "import deep_gemm; print('deep_gemm', deep_gemm.__version__)") \
             >> "$OUT/build.log" 2>&1; then
             summary+=("deepgemm: installed in $(( $(date +%s) - start )) s ($(tail -1 "$OUT/build.log"))")
+            # Its JIT crashes (address 0, inside std::regex in its include parser) unless the system libstdc++
+            # is loaded before the libraries torch brings; every later part runs with it preloaded.
+            export LD_PRELOAD=$(gcc -print-file-name=libstdc++.so.6)${LD_PRELOAD:+:$LD_PRELOAD}
         else
             summary+=("deepgemm: FAILED after $(( $(date +%s) - start )) s (build.log)")
             tail -25 "$OUT/build.log"
