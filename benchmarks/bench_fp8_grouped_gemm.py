@@ -275,10 +275,18 @@ def bench_experts(num_experts: int, rows: int, profile: bool) -> dict:
             mlp.use_fp8, mlp.cache_fp8_weights, mlp.fp8_weight_grads = use_fp8, cached, weight_grads
             step()  # fills the weight cache where there is one, outside the trace
             torch.cuda.synchronize()
+            span = (torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True))
             with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
+                span[0].record()
                 step()
+                span[1].record()
                 torch.cuda.synchronize()
-            print(f"{label} expert step, kernels by GPU time")
+            # One stream: the kernels' own times add up to the busy part of the step's span; the rest is
+            # the GPU waiting for the host (launches, synchronizations).
+            busy_ms = sum(e.self_device_time_total for e in prof.key_averages()) / 1e3
+            span_ms = span[0].elapsed_time(span[1])
+            print(f"{label} expert step: {span_ms:.2f} ms on the GPU's clock, kernels {busy_ms:.2f} ms, "
+                  f"idle {span_ms - busy_ms:.2f} ms (under the profiler); kernels by GPU time")
             print(prof.key_averages().table(sort_by="self_device_time_total", row_limit=25, max_name_column_width=70))
         mlp.cache_fp8_weights = mlp.fp8_weight_grads = False
     return results
