@@ -15,7 +15,9 @@ constexpr unsigned kFullMask = 0xffffffffu;
 // kFp8Max as the float the FP8 casts compute with.
 constexpr float kFp8MaxFloat = kFp8Max;
 
-MOE_EP_DEVICE int ceil_div(int a, int b) { return (a + b - 1) / b; }
+// Host code may call it too: nvcc compiles a device-only function called from a host template without a
+// diagnostic, and the process then exits at that call.
+__host__ __device__ __forceinline__ int ceil_div(int a, int b) { return (a + b - 1) / b; }
 
 // Token range [begin, end) of channel `channel` when `num_tokens` are cut into `num_channels` chunks.
 MOE_EP_DEVICE void channel_range(int num_tokens, int num_channels, int channel, int& begin, int& end) {
