@@ -2,7 +2,8 @@
 # One device call: build the extensions, run tests/gpu, run the benchmarks; logs and JSON under $OUT, a
 # short table printed last.
 #   bash scripts/gpu_check.sh [parts] [extra intranode-benchmark args...]
-#   parts: comma list of build,test,deepgemm,bench,ll,layer,internode,fp8gemm,fp8ncu,probe,examples,decodediag,
+#   parts: comma list of build,test,deepgemm,fbgemm,bench,ll,layer,internode,fp8gemm,fp8ncu,probe,examples,
+#     decodediag,
 #     overhead
 #     (default: build,test,bench,ll,layer,fp8gemm on a machine with EP GPUs or more; build,test,fp8gemm on
 #     smaller ones, whose multi-rank tests put several ranks on a GPU); internode: bench_internode.py
@@ -21,6 +22,8 @@
 #     FP8GEMM_ARGS: e.g. --profile, --shapes deepgemm);
 #     deepgemm: the DeepGEMM peer installed from DEEPGEMM_SRC (default shared/DeepGEMM.tgz, from
 #     scripts/pack_deepgemm.sh; DEEPGEMM_TIMEOUT, default 300 s), before the benchmarks;
+#     fbgemm: fbgemm_gpu GenAI installed from its wheel in shared/peer_wheels (scripts/pack_fbgemm.sh), for
+#     fp8gemm's library rows;
 #     fp8ncu: Nsight Compute on our FP8 GEMM kernels (forward, dgrad, wgrad at the gate/up shapes) and the
 #     row-wise torch._scaled_grouped_mm forward (where DeepGEMM is installed, also its forward and ours at
 #     its N 4096 / K 7168 shape), one launch each after warm-up (benchmarks/fp8_kernel_once.py):
@@ -163,6 +166,20 @@ if has deepgemm; then
             summary+=("deepgemm: FAILED after $(( $(date +%s) - start )) s (build.log)")
             tail -25 "$OUT/build.log"
         fi
+    fi
+fi
+
+# fbgemm_gpu GenAI from the wheel scripts/pack_fbgemm.sh put in shared/peer_wheels (the device cannot
+# download it), for the fp8gemm part's fbgemm-rowwise and fbgemm-blockwise rows.
+if has fbgemm; then
+    wheel=$(ls shared/peer_wheels/fbgemm_gpu_genai-*.whl 2> /dev/null | tail -1)
+    if [[ -z $wheel ]]; then
+        summary+=("fbgemm: not installed: no shared/peer_wheels/fbgemm_gpu_genai-*.whl (bash scripts/pack_fbgemm.sh)")
+    elif $PY -m pip install --no-index --no-deps "$wheel" >> "$OUT/build.log" 2>&1 &&
+        (cd / && $PY -c "import fbgemm_gpu.experimental.gen_ai") >> "$OUT/build.log" 2>&1; then
+        summary+=("fbgemm: installed $(basename "$wheel")")
+    else
+        summary+=("fbgemm: FAILED to install or import $(basename "$wheel") (build.log)")
     fi
 fi
 
