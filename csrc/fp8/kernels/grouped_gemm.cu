@@ -49,13 +49,13 @@ constexpr int kStoreBoxColumns = 64;     // BF16 columns of one TMA store box: o
 constexpr int kWarpgroupRows = kTile / kMathWarpgroups;
 
 // A block's output tile is 128 x kBlockN: 128 or 256 columns (the wider tile reads a third less
-// from L2 per FLOP; the output width must be a multiple of it). With kStaged, the BF16 tile's staging
-// for the TMA stores follows the struct: per math warpgroup kBlockN / 64 boxes of 64 x 64.
-template <int kBlockN, bool kStaged>
+// from L2 per FLOP; the output width must be a multiple of it). The BF16 tile's staging for the TMA
+// stores follows the struct: per math warpgroup kBlockN / 64 boxes of 64 x 64.
+template <int kBlockN>
 struct alignas(kSwizzleBytes) GemmSmem {
     static constexpr int kStoreBoxes = kBlockN / kStoreBoxColumns;
     static constexpr int kStoreBoxBytes = kWarpgroupRows * kStoreBoxColumns * sizeof(__nv_bfloat16);
-    static constexpr int kStagingBytes = kStaged ? kMathWarpgroups * kStoreBoxes * kStoreBoxBytes : 0;
+    static constexpr int kStagingBytes = kMathWarpgroups * kStoreBoxes * kStoreBoxBytes;
     static constexpr int kStages = (kSmemBudget - kStagingBytes) / ((kTile + kBlockN) * kTile);
     uint8_t a[kStages][kTile * kTile];
     uint8_t b[kStages][kBlockN * kTile];
@@ -66,9 +66,8 @@ struct alignas(kSwizzleBytes) GemmSmem {
 };
 // The struct's size is a multiple of kSwizzleBytes, so the staging after it is aligned too; one more
 // kSwizzleBytes leaves room to align the base.
-template <int kBlockN, bool kStaged>
-constexpr size_t kSmemBytes =
-    sizeof(GemmSmem<kBlockN, kStaged>) + GemmSmem<kBlockN, kStaged>::kStagingBytes + kSwizzleBytes;
+template <int kBlockN>
+constexpr size_t kSmemBytes = sizeof(GemmSmem<kBlockN>) + GemmSmem<kBlockN>::kStagingBytes + kSwizzleBytes;
 
 // The device code needs sm_90a (wgmma); other targets compile an empty kernel, which
 // fp8_grouped_gemm_supported() reports.
@@ -292,11 +291,16 @@ MOE_EP_DEVICE void stage_rows(const float (&acc)[kAccum], uint8_t* boxes, int bo
     }
 }
 
-// An L2 policy that evicts the lines it covers first: the output streams through L2 once, and without it
-// pushes out the operands that the next tiles read again.
-MOE_EP_DEVICE uint64_t l2_evict_first_policy() {
+// The L2 policy of the output's TMA stores: evict first for an output that streams through L2 once (the
+// weight gradients: without it they push out the operands that the next tiles read again), else normal
+// (a forward's or data gradient's output is read again by the next step).
+MOE_EP_DEVICE uint64_t l2_store_policy(bool evict_first) {
     uint64_t policy;
-    asm volatile("createpolicy.fractional.L2::evict_first.b64 %0, 1.0;" : "=l"(policy));
+    if (evict_first) {
+        asm volatile("createpolicy.fractional.L2::evict_first.b64 %0, 1.0;" : "=l"(policy));
+    } else {
+        asm volatile("createpolicy.fractional.L2::evict_normal.b64 %0, 1.0;" : "=l"(policy));
+    }
     return policy;
 }
 
@@ -314,15 +318,15 @@ MOE_EP_DEVICE void warpgroup_barrier(int warpgroup) {
 }
 #endif
 
-// kStaged: the sums leave through shared memory and TMA stores of `out_map` (grouped by depth; unused
-// otherwise).
-template <int kBlockN, bool kStaged>
+// Whole tiles' sums leave through shared memory and TMA stores of `out_map`; a segment's partial last
+// tile (grouped by rows) through registers, since a TMA box would write the next segment's rows.
+template <int kBlockN>
 __global__ void __launch_bounds__(kThreads, 1)
     fp8_grouped_gemm_kernel(const __grid_constant__ CUtensorMap a_map, const __grid_constant__ CUtensorMap b_map,
                             const __grid_constant__ CUtensorMap out_map, const Fp8GroupedGemmArgs args,
                             int num_tiles) {
 #if defined(__CUDA_ARCH_FEAT_SM90_ALL)
-    using Smem = GemmSmem<kBlockN, kStaged>;
+    using Smem = GemmSmem<kBlockN>;
     constexpr int kStages = Smem::kStages;
     constexpr int kColumnBlocks = kBlockN / kTile;
     constexpr int kAccum = kColumnBlocks * kPart;
@@ -392,7 +396,7 @@ __global__ void __launch_bounds__(kThreads, 1)
             if (tile.row_begin >= tile.row_end) continue;
             __nv_bfloat16* out = args.out + (args.group_depth ? tile.expert * args.out_expert_stride : 0) +
                                  tile.col_tile * kBlockN;
-            if (!kStaged && tile.expert == args.num_experts) {
+            if (tile.expert == args.num_experts) {  // grouped by rows: the zero tail
                 zero_rows<kBlockN>(out, args.out_row_stride, tile.row_begin, tile.row_end);
                 continue;
             }
@@ -425,8 +429,8 @@ __global__ void __launch_bounds__(kThreads, 1)
                     for (int i = 0; i < kPart; ++i) acc[c * kPart + i] += part[i] * (i & 2 ? scale_1 : scale_0);
                 }
             }
-            if constexpr (kStaged) {
-                // Grouped by depth every tile is whole (num_rows is a multiple of 128).
+            // Grouped by depth every tile is whole (num_rows is a multiple of 128).
+            if (args.group_depth || tile.row_end - tile.row_begin == kTile) {
                 uint8_t* const boxes = staging + warpgroup * Smem::kStoreBoxes * Smem::kStoreBoxBytes;
                 const bool leader = threadIdx.x % 128 == 0;
                 if (leader) bulk_wait_read<0>();  // the last tile's stores are done reading the staging
@@ -435,11 +439,12 @@ __global__ void __launch_bounds__(kThreads, 1)
                 fence_proxy_async_shared();  // the writes become visible to the TMA unit
                 warpgroup_barrier(warpgroup);
                 if (leader) {
-                    const uint64_t policy = l2_evict_first_policy();
+                    const uint64_t policy = l2_store_policy(args.group_depth);
                     for (int box = 0; box < Smem::kStoreBoxes; ++box) {
                         tma_store_3d(&out_map, boxes + box * Smem::kStoreBoxBytes,
                                      tile.col_tile * kBlockN + box * kStoreBoxColumns,
-                                     tile.row_begin + warpgroup * kWarpgroupRows, tile.expert, policy);
+                                     tile.row_begin + warpgroup * kWarpgroupRows,
+                                     args.group_depth ? tile.expert : 0, policy);
                     }
                     bulk_commit();
                 }
@@ -450,7 +455,7 @@ __global__ void __launch_bounds__(kThreads, 1)
             }
         }
         // The staging must outlive the stores reading it, and the kernel's writes must be done when it ends.
-        if (kStaged && threadIdx.x % 128 == 0) bulk_wait<0>();
+        if (threadIdx.x % 128 == 0) bulk_wait<0>();
     }
 #endif
 }
@@ -490,15 +495,17 @@ bool encode_operand_map(CUtensorMap* map, const void* base, int rank, const cuui
                   CU_TENSOR_MAP_L2_PROMOTION_L2_256B, CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE) == CUDA_SUCCESS;
 }
 
-// A TMA map of the depth-grouped output `[num_experts, num_rows, n_out]` BF16, written in boxes of
-// 64 rows x 64 columns (128 bytes) from the 128-byte swizzled staging.
+// A TMA map of the BF16 output, `[num_experts, num_rows, n_out]` grouped by depth, `[num_rows, n_out]`
+// (one matrix) grouped by rows, written in boxes of 64 rows x 64 columns (128 bytes) from the 128-byte
+// swizzled staging.
 bool encode_output_map(CUtensorMap* map, const Fp8GroupedGemmArgs& args) {
     const PFN_cuTensorMapEncodeTiled_v12000 encode = tensor_map_encoder();
     if (encode == nullptr) return false;
+    const int64_t matrix_stride = args.group_depth ? args.out_expert_stride : args.num_rows * args.out_row_stride;
     const cuuint64_t dims[3] = {static_cast<cuuint64_t>(args.n_out), static_cast<cuuint64_t>(args.num_rows),
-                                static_cast<cuuint64_t>(args.num_experts)};
+                                static_cast<cuuint64_t>(args.group_depth ? args.num_experts : 1)};
     const cuuint64_t byte_strides[2] = {static_cast<cuuint64_t>(args.out_row_stride) * sizeof(__nv_bfloat16),
-                                        static_cast<cuuint64_t>(args.out_expert_stride) * sizeof(__nv_bfloat16)};
+                                        static_cast<cuuint64_t>(matrix_stride) * sizeof(__nv_bfloat16)};
     const cuuint32_t box[3] = {kStoreBoxColumns, kWarpgroupRows, 1};
     const cuuint32_t element_strides[3] = {1, 1, 1};
     return encode(map, CU_TENSOR_MAP_DATA_TYPE_BFLOAT16, 3, args.out, dims, byte_strides, box, element_strides,
@@ -506,7 +513,7 @@ bool encode_output_map(CUtensorMap* map, const Fp8GroupedGemmArgs& args) {
                   CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE) == CUDA_SUCCESS;
 }
 
-template <int kBlockN, bool kStaged>
+template <int kBlockN>
 cudaError_t launch_tiles(const Fp8GroupedGemmArgs& args, cudaStream_t stream) {
     CUtensorMap a_map, b_map, out_map{};
     const cuuint64_t a_dims[2] = {static_cast<cuuint64_t>(args.depth), static_cast<cuuint64_t>(args.num_rows)};
@@ -517,12 +524,12 @@ cudaError_t launch_tiles(const Fp8GroupedGemmArgs& args, cudaStream_t stream) {
                                      static_cast<cuuint64_t>(args.b_expert_stride)};
     if (!encode_operand_map(&a_map, args.a, 2, a_dims, a_strides, kTile) ||
         !encode_operand_map(&b_map, args.b, 3, b_dims, b_strides, kBlockN) ||
-        (kStaged && !encode_output_map(&out_map, args))) {
+        !encode_output_map(&out_map, args)) {
         return cudaErrorInvalidValue;
     }
     // Raised once per (kernel, device): the limit belongs to the device's context.
-    const auto kernel = fp8_grouped_gemm_kernel<kBlockN, kStaged>;
-    const cudaError_t attribute = allow_dynamic_shared_memory(kernel, kSmemBytes<kBlockN, kStaged>);
+    const auto kernel = fp8_grouped_gemm_kernel<kBlockN>;
+    const cudaError_t attribute = allow_dynamic_shared_memory(kernel, kSmemBytes<kBlockN>);
     if (attribute != cudaSuccess) return attribute;
     // Grouped by rows, every segment wastes at most one partial tile, and the zero tail takes at most
     // one more. Grouped by depth, the experts are slowest, so the tiles in flight together read one
@@ -531,7 +538,7 @@ cudaError_t launch_tiles(const Fp8GroupedGemmArgs& args, cudaStream_t stream) {
                                            : (args.num_rows + kTile - 1) / kTile + args.num_experts + 1;
     const int num_tiles = row_slots * (args.n_out / kBlockN);
     const int blocks = std::min(num_tiles, std::max(device_attribute(cudaDevAttrMultiProcessorCount), 1));
-    kernel<<<blocks, kThreads, kSmemBytes<kBlockN, kStaged>, stream>>>(a_map, b_map, out_map, args, num_tiles);
+    kernel<<<blocks, kThreads, kSmemBytes<kBlockN>, stream>>>(a_map, b_map, out_map, args, num_tiles);
     return cudaGetLastError();
 }
 
@@ -553,11 +560,7 @@ bool fp8_grouped_gemm_supported() {
 }
 
 cudaError_t launch_fp8_grouped_gemm(const Fp8GroupedGemmArgs& args, cudaStream_t stream) {
-    // Grouped by depth the outputs leave through shared memory and TMA stores (see the kernel).
-    if (args.group_depth) {
-        return args.n_out % 256 == 0 ? launch_tiles<256, true>(args, stream) : launch_tiles<128, true>(args, stream);
-    }
-    return args.n_out % 256 == 0 ? launch_tiles<256, false>(args, stream) : launch_tiles<128, false>(args, stream);
+    return args.n_out % 256 == 0 ? launch_tiles<256>(args, stream) : launch_tiles<128>(args, stream);
 }
 
 }  // namespace moe_ep::kernels
