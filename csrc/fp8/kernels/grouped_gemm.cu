@@ -17,12 +17,12 @@
 // instructions. Two math warpgroups multiply 64 rows each: every K block goes into a scratch accumulator,
 // which is then added to the FP32 sums times the block's two scales. The scales change from one K block to
 // the next, so one tensor-core accumulation over all of K is not possible; the warpgroups wait for their
-// own products only, so one's scaling overlaps the other's tensor-core work. Grouped by rows, the sums
-// leave as BF16 in 16-byte stores after the four lanes sharing a row swap their column pairs. Grouped by
-// depth, a tile has only a few K blocks and 64 KB of output, and register stores left the tensor cores
-// idle for much of each tile: each math warpgroup writes its rows into shared memory instead (stmatrix, in
-// the swizzled layout TMA reads) and one of its threads hands them to TMA stores, which drain while the
-// warpgroup multiplies the next tile.
+// own products only, so one's scaling overlaps the other's tensor-core work. Each math warpgroup writes
+// its rows of the BF16 sums into shared memory (stmatrix, in the swizzled layout TMA reads) and one of its
+// threads hands them to TMA stores, which drain while the warpgroup multiplies the next tile; register
+// stores left the tensor cores idle for much of each tile, most of all grouped by depth (a few K blocks
+// and 64 KB of output per tile). A segment's partial last tile (grouped by rows) leaves through 16-byte
+// register stores after the four lanes sharing a row swap their column pairs.
 #include <cuda.h>
 #include <cuda_bf16.h>
 #include <cudaTypedefs.h>
