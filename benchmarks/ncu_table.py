@@ -3,6 +3,7 @@ the metric list to ask ncu for (the `fp8ncu` part of scripts/gpu_check.sh).
 
     python benchmarks/ncu_table.py metrics QUERY_FILE [--exclude M,...]  # ncu --query-metrics output -> --metrics
     python benchmarks/ncu_table.py table [--brief] LABEL=CSV [LABEL=CSV ...]
+    python benchmarks/ncu_table.py source SOURCE_CSV [--top N]  # where the warp-state samples fall
 
 `metrics` picks, for every column of the table, the first of its candidate metrics (METRICS) that
 `ncu --query-metrics` lists for the GPU (ncu refuses a whole run for one unknown name; the Hopper
@@ -17,6 +18,11 @@ profile (launches of one kernel averaged): time, tensor pipe active, SM throughp
 throughput (all % of peak over the kernel's elapsed cycles), achieved occupancy and issue-slot use
 (% of the active cycles), the SM clock ncu measured, and the three largest stall reasons in cycles per
 issued instruction. `--brief` prints one line per kernel instead, for the run's summary.
+
+`source` reads a source-page CSV (`ncu --import R.ncu-rep --page source --csv --print-source sass`, from a
+profile with the SourceCounters section): the share of all warp-state samples per reason, and the SASS
+instructions holding the most samples with their two largest reasons, so that two kernels' stalls can be
+placed instruction by instruction.
 """
 
 from __future__ import annotations
@@ -223,6 +229,54 @@ def load(label: str, path: Path) -> tuple[list[KernelProfile], list[Launch], Opt
     return summarize(label, launches), launches, None
 
 
+class SourceLine(NamedTuple):
+    index: int
+    sass: str
+    samples: float
+    reasons: dict[str, float]
+
+
+SAMPLES = "Warp Stall Sampling (All Samples)"
+SOURCE_STALL = re.compile(r"^stall_(\w+)$")
+
+
+def read_source_csv(text: str) -> list[SourceLine]:
+    """The instructions of a source-page CSV: its first line names the kernel, the second the columns
+    (`Source`, the samples, one `stall_<reason>` column per reason and its "(Not Issued)" twin)."""
+    rows = list(csv.reader(text.splitlines()))
+    header = next((row for row in rows if "Source" in row and SAMPLES in row), None)
+    if header is None:
+        raise ValueError(f"no header with 'Source' and {SAMPLES!r}")
+    source, samples = header.index("Source"), header.index(SAMPLES)
+    reasons = [(i, m.group(1)) for i, name in enumerate(header) if (m := SOURCE_STALL.match(name))]
+    lines = []
+    for index, row in enumerate(rows[rows.index(header) + 1:]):
+        if len(row) != len(header):
+            continue
+        lines.append(SourceLine(index, row[source].strip(), _number(row[samples]) or 0.0,
+                                {reason: _number(row[i]) or 0.0 for i, reason in reasons}))
+    return lines
+
+
+def source_summary(lines: list[SourceLine], top: int) -> list[str]:
+    """The reasons' shares of all samples, then the `top` instructions by samples, in program order."""
+    total = sum(line.samples for line in lines)
+    if total <= 0:
+        return ["no warp-state samples (was the SourceCounters section collected?)"]
+    shares: dict[str, float] = {}
+    for line in lines:
+        for reason, value in line.reasons.items():
+            shares[reason] = shares.get(reason, 0.0) + value
+    ranked = sorted(((v, r) for r, v in shares.items() if v / total >= 0.005), reverse=True)
+    out = [f"{total:.0f} samples over {len(lines)} instructions: "
+           + ", ".join(f"{reason} {100 * v / total:.1f} %" for v, reason in ranked)]
+    for line in sorted(sorted(lines, key=lambda ln: -ln.samples)[:top], key=lambda ln: ln.index):
+        main = sorted(((v, r) for r, v in line.reasons.items() if v > 0), reverse=True)[:2]
+        out.append(f"{line.index:6d} {100 * line.samples / total:5.1f} %  {line.sass[:64]:64s} "
+                   + ", ".join(f"{reason} {100 * v / total:.1f}" for v, reason in main))
+    return out
+
+
 def parse_profile_arg(text: str) -> tuple[str, Path]:
     """`LABEL=CSV` as `(label, path)`; ValueError naming the form otherwise."""
     label, sep, path = text.partition("=")
@@ -240,7 +294,18 @@ def main(argv: Optional[list[str]] = None) -> None:
     table = commands.add_parser("table", help="the table of raw-page CSVs")
     table.add_argument("--brief", action="store_true", help="one line per kernel, for the run's summary")
     table.add_argument("profiles", nargs="+", metavar="LABEL=CSV")
+    source = commands.add_parser("source", help="where a source-page CSV's warp-state samples fall")
+    source.add_argument("source_csv", type=Path)
+    source.add_argument("--top", type=int, default=16, help="instructions to list (default 16)")
     args = parser.parse_args(argv)
+    if args.command == "source":
+        if args.top < 1:
+            parser.error(f"--top: expected an integer >= 1, got {args.top}")
+        try:
+            print("\n".join(source_summary(read_source_csv(args.source_csv.read_text()), args.top)))
+        except (OSError, ValueError) as error:
+            print(f"{args.source_csv}: no source data: {type(error).__name__}: {error}")
+        return
     if args.command == "metrics":
         text = args.query_file.read_text() if args.query_file.is_file() else ""
         excluded = frozenset(name for name in args.exclude.split(",") if name)

@@ -28,7 +28,7 @@
 #     row-wise torch._scaled_grouped_mm forward (where DeepGEMM is installed, also its forward and ours at
 #     its N 4096 / K 7168 shape), one launch each after warm-up (benchmarks/fp8_kernel_once.py):
 #     tensor pipe, SM, DRAM and L2 throughput, occupancy, issue slots, warp stalls and the SM clock (our kernels
-#     also with SourceCounters: ncu_<label>_source.csv, the SASS with its warp-state samples); reports
+#     and DeepGEMM's also with SourceCounters: ncu_<label>_source.csv, the SASS with its warp-state samples); reports
 #     and raw CSVs in files.tgz, a table in bench.log (benchmarks/ncu_table.py), one line per kernel in the
 #     summary; where ncu is missing or may not read the counters (ERR_NVGPUCTRPERM), the summary says so
 #     (FP8NCU_TIMEOUT for the whole part, default 150 s; needs the build part, or a build from earlier);
@@ -239,8 +239,10 @@ ncu_profile() {
     [[ -n ${4:-} ]] && shape=(--shape "$4")
     local filter=() select=(--nvtx --nvtx-include "fp8_kernel_once/") dropped sections=(--section WarpStateStats)
     # Only our kernel where it is ours; the row-wise op may launch helpers around its GEMM, all in the range.
-    # Ours also gets SourceCounters: warp-state samples per SASS instruction, to place its stalls.
-    [[ $impl == ours ]] && filter=(-k regex:fp8_grouped_gemm) && sections+=(--section SourceCounters)
+    # Ours and DeepGEMM's also get SourceCounters: warp-state samples per SASS instruction, to place their
+    # stalls side by side.
+    [[ $impl == ours ]] && filter=(-k regex:fp8_grouped_gemm)
+    [[ $impl == ours || $impl == deepgemm ]] && sections+=(--section SourceCounters)
     for attempt in 1 2 3; do
         limit=$(( ncu_budget - ($(date +%s) - ncu_start) ))
         call_left=$(( CALL_BUDGET_S - ($(date +%s) - script_start) - 20 ))
@@ -281,9 +283,11 @@ ncu_profile() {
     ncu_tables+=("$op $impl${4:+ $4}=$FILES/ncu_$label.csv")
     # The per-instruction view (SASS with its warp-state samples), for reading offline; best effort: an
     # ncu without the source page only logs an error.
-    if [[ $impl == ours ]]; then
+    if [[ $impl == ours || $impl == deepgemm ]]; then
         "$ncu" --import "$FILES/ncu_$label.ncu-rep" --page source --csv --print-source sass \
             > "$FILES/ncu_${label}_source.csv" 2>> "$OUT/bench.log" || true
+        { echo "================ where $label's warp-state samples fall (ncu_table.py source)"
+          $PY benchmarks/ncu_table.py source "$FILES/ncu_${label}_source.csv"; } >> "$OUT/bench.log" 2>&1
     fi
 }
 

@@ -280,3 +280,47 @@ def test_kernel_names_lose_return_type_namespaces_and_parameters() -> None:
     assert ncu_table.short_kernel_name(cutlass, width=30) == "device_kernel<cutlass::gemm..."
     assert ncu_table.in_table_units(2.5, "msecond") == 2500 and ncu_table.in_table_units(1.98, "cycle/nsecond") == 1980
     assert ncu_table.in_table_units(1.5e9, "hz") == 1500 and ncu_table.in_table_units(42.0, "%") == 42.0
+
+
+# ---------------------------------------------------------------- ncu_table.py source
+
+def _source_csv(rows: list[tuple[str, int, int, int]]) -> str:
+    """A source-page CSV as ncu writes it: the kernel's name, the header, one row per SASS instruction
+    with its samples and two reasons (and their "(Not Issued)" twins, which the summary ignores)."""
+    header = ["Address", "Source", ncu_table.SAMPLES, "stall_barrier", "stall_wait", "stall_barrier (Not Issued)",
+              "stall_wait (Not Issued)"]
+    lines = ['"Kernel Name","gemm_kernel(int)",', ",".join(f'"{h}"' for h in header)]
+    for address, (sass, samples, barrier, wait) in enumerate(rows):
+        lines.append(",".join(f'"{c}"' for c in (hex(address), sass, samples, barrier, wait, 9999, 9999)))
+    return "\n".join(lines)
+
+
+def test_source_summary_places_the_samples_per_instruction() -> None:
+    rng = random.Random(7)
+    rows = [(f"FFMA R{i}, R{i}, R1, R{i}", s, 0, s) for i, s in enumerate(rng.randint(0, 20) for _ in range(30))]
+    rows[11] = ("WARPGROUP.DEPBAR.LE gsb0, 0x0", 500, 480, 20)
+    rows[25] = ("QGMMA.64x128x32.F32.E4M3.E4M3 R24", 300, 0, 300)
+    total = sum(r[1] for r in rows)
+    lines = ncu_table.read_source_csv(_source_csv(rows))
+    assert [ln.sass for ln in lines] == [r[0] for r in rows] and lines[11].reasons == {"barrier": 480, "wait": 20}
+    summary = ncu_table.source_summary(lines, top=2)
+    barrier, wait = 480, total - 480
+    assert summary[0] == (f"{total} samples over 30 instructions: " + ", ".join(
+        f"{name} {100 * v / total:.1f} %" for v, name in sorted(((barrier, "barrier"), (wait, "wait")), reverse=True)))
+    # The two busiest instructions, in program order, each with its largest reasons.
+    assert summary[1].split()[:3] == ["11", f"{100 * 500 / total:.1f}", "%"] and "DEPBAR" in summary[1]
+    assert summary[1].endswith(f"barrier {100 * 480 / total:.1f}, wait {100 * 20 / total:.1f}")
+    assert summary[2].split()[0] == "25" and summary[2].endswith(f"wait {100 * 300 / total:.1f}")
+    assert len(summary) == 3
+
+
+def test_source_summary_without_samples_or_header_says_why(tmp_path: Path, capsys: pytest.CaptureFixture) -> None:
+    assert ncu_table.source_summary(ncu_table.read_source_csv(_source_csv([("NOP", 0, 0, 0)])), top=4) == [
+        "no warp-state samples (was the SourceCounters section collected?)"]
+    with pytest.raises(ValueError, match="no header"):
+        ncu_table.read_source_csv('"Kernel Name","k",\n"Address","Source"\n"0x0","NOP"')
+    missing = tmp_path / "missing.csv"
+    ncu_table.main(["source", str(missing)])
+    assert capsys.readouterr().out.startswith(f"{missing}: no source data: FileNotFoundError")
+    with pytest.raises(SystemExit):
+        ncu_table.main(["source", str(missing), "--top", "0"])
