@@ -324,3 +324,10 @@ def test_source_summary_without_samples_or_header_says_why(tmp_path: Path, capsy
     assert capsys.readouterr().out.startswith(f"{missing}: no source data: FileNotFoundError")
     with pytest.raises(SystemExit):
         ncu_table.main(["source", str(missing), "--top", "0"])
+
+
+def test_samples_no_reason_column_holds_count_as_unlisted() -> None:
+    rows = [("QGMMA.64x128x32.F32.E4M3.E4M3 R24", 80, 5, 15), ("FFMA R1, R2, R3, R1", 20, 0, 20)]
+    summary = ncu_table.source_summary(ncu_table.read_source_csv(_source_csv(rows)), top=1)
+    assert summary[0] == "100 samples over 2 instructions: unlisted 60.0 %, wait 35.0 %, barrier 5.0 %"
+    assert summary[1].endswith("unlisted 60.0, wait 15.0") and len(summary) == 2
