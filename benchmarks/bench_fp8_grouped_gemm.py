@@ -122,6 +122,10 @@ def bench_casts(x: torch.Tensor, grad: torch.Tensor, w: torch.Tensor) -> dict:
         results[f"{name}_us"] = local_median_us(lambda: per_block_cast_to_fp8_with_transpose(w, backend=backend))
         results[f"{name}_gbps"] = w.numel() * (w.element_size() + 2) / results[f"{name}_us"] / 1e3
     results["cast_weight_torch_us"] = local_median_us(lambda: fp8.per_block_cast_to_fp8(w), iters=5)
+    # The memory's own speed beside it: a BF16 copy of the weight reads and writes 2 x its bytes.
+    copy = torch.empty_like(w)
+    results["copy_weight_us"] = local_median_us(lambda: copy.copy_(w))
+    results["copy_weight_gbps"] = 2 * w.numel() * w.element_size() / results["copy_weight_us"] / 1e3
     return results
 
 
@@ -311,6 +315,9 @@ def cast_lines(results: dict) -> list[str]:
                 torch_us = r[f"cast_{name.removesuffix('_triton')}_torch_us"]
                 lines.append(f"{proj + ' ' + name:21s} {torch_us:8.0f} {r[f'cast_{name}_us']:8.0f} "
                              f"{r[f'cast_{name}_gbps']:8.0f}")
+        if "copy_weight_us" in r:
+            lines.append(f"{proj + ' weight copy':21s} {r['copy_weight_us']:8.0f} {'-':>8s} "
+                         f"{r['copy_weight_gbps']:8.0f}  (torch copy_ of the BF16 weight: the memory's speed)")
     return lines
 
 
