@@ -58,6 +58,20 @@ def test_calls_get_the_gpu_work_their_host_launched() -> None:
     assert summary["kernels"][0]["launches_per_call"] == 0.5 and summary["host_us_profiled"] == 40
 
 
+def test_over_counts_beyond_the_data_kernel_or_both_kernels_of_the_graph() -> None:
+    import bench_overhead
+
+    notify = {"name": "notify_dispatch_kernel", "launches_per_call": 1.0, "gpu_us": 13.0}
+    data = {"name": "dispatch_kernel", "launches_per_call": 1.0, "gpu_us": 150.0}
+    combine = {"name": "combine_kernel", "launches_per_call": 1.0, "gpu_us": 30.0}
+    twice = {"name": "padding_kernel", "launches_per_call": 2.0, "gpu_us": 2.5}
+    # A call's notify and padding are overhead; the graph's two calls are both data.
+    assert bench_overhead._over_data_kernels("dispatch bf16", 200.0, [notify, data, twice]) == 50.0
+    assert bench_overhead._over_data_kernels(bench_overhead.LL_GRAPH, 200.0, [data, combine, twice]) == 15.0
+    assert bench_overhead._over_data_kernels("combine bf16", None, [combine]) is None
+    assert bench_overhead._over_data_kernels("combine bf16", 40.0, []) is None
+
+
 def test_tiny_run_of_every_operation_on_cpu(tmp_path: Path) -> None:
     out = tmp_path / "overhead.json"
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get(
