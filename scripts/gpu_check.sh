@@ -2,7 +2,7 @@
 # One device call: build the extensions, run tests/gpu, run the benchmarks; logs and JSON under $OUT, a
 # short table printed last.
 #   bash scripts/gpu_check.sh [parts] [extra intranode-benchmark args...]
-#   parts: comma list of build,test,deepgemm,fbgemm,bench,ll,layer,internode,fp8gemm,fp8ncu,probe,examples,
+#   parts: comma list of build,test,deepgemm,fbgemm,bench,ll,layer,internode,fp8gemm,fp8sweep,fp8ncu,probe,examples,
 #     decodediag,
 #     overhead
 #     (default: build,test,bench,ll,layer,fp8gemm on a machine with EP GPUs or more; build,test,fp8gemm on
@@ -20,6 +20,9 @@
 #     one GPU, with the SM clock and power sampled during each GEMM, at our shapes and DeepGEMM's, beside
 #     torch._scaled_grouped_mm row-wise and, where the deepgemm part installed it, DeepGEMM (FP8GEMM_TIMEOUT,
 #     FP8GEMM_ARGS: e.g. --profile, --shapes deepgemm);
+#     fp8sweep: FP8 GEMM kernel variants set by environment (FP8_VARIANTS="A=1; B=2 C=3"; the default first):
+#     per variant its GEMM tests, then the benchmark (FP8SWEEP_ARGS, default --shapes deepgemm), CUDA rows in
+#     the summary;
 #     deepgemm: the DeepGEMM peer installed from DEEPGEMM_SRC (default shared/DeepGEMM.tgz, from
 #     scripts/pack_deepgemm.sh; DEEPGEMM_TIMEOUT, default 300 s), before the benchmarks;
 #     fbgemm: fbgemm_gpu GenAI installed from its wheel in shared/peer_wheels (scripts/pack_fbgemm.sh), for
@@ -213,6 +216,36 @@ has internode && run_bench "internode (cuda)" "${INTERNODE_TIMEOUT:-120}" bench_
     --backend cuda ${INTERNODE_ARGS:---world 4 --ranks-per-node 2 --shape small}
 has fp8gemm && run_bench "FP8 grouped GEMM" "${FP8GEMM_TIMEOUT:-150}" bench_fp8_grouped_gemm.py \
     bench_fp8_grouped_gemm.json ${FP8GEMM_ARGS:-}
+
+# Kernel variants chosen by environment settings (experiment branches), each against the same build's
+# default: FP8_VARIANTS is a ';'-separated list of settings ("A=1 B=2; C=3"), the default runs first. Per
+# variant the FP8 GEMM tests (stopping at the first failure) and, where they pass, the FP8 GEMM benchmark
+# (FP8SWEEP_ARGS, default DeepGEMM's shapes, half-second samples); its CUDA rows go to the summary.
+if has fp8sweep; then
+    IFS=';' read -r -a variants <<< ";${FP8_VARIANTS:-}"
+    for variant in "${variants[@]}"; do
+        variant=$(echo $variant)  # trimmed
+        left=$(( CALL_BUDGET_S - ($(date +%s) - script_start) - 20 ))
+        if (( left < 60 )); then summary+=("fp8sweep [${variant:-default}]: not run: the call's time is spent"); continue; fi
+        echo "================ FP8 variant: ${variant:-default}" >> "$OUT/bench.log"
+        start=$(date +%s)
+        env $variant timeout -s INT -k 10 $(( left < 120 ? left / 2 : 90 )) $PY -m pytest -q -x -p no:cacheprovider \
+            tests/gpu/test_fp8_gemm_cuda.py >> "$OUT/bench.log" 2>&1
+        rc=$?
+        summary+=("fp8sweep [${variant:-default}]: tests rc=$rc: $(tail -1 "$OUT/bench.log")")
+        (( rc == 0 )) || continue
+        left=$(( CALL_BUDGET_S - ($(date +%s) - script_start) - 20 ))
+        env $variant MOE_EP_CHECK_VALUES=0 timeout "$(( left < 150 ? left : 150 ))" $PY \
+            benchmarks/bench_fp8_grouped_gemm.py ${FP8SWEEP_ARGS:---shapes deepgemm --sample-seconds 0.5} \
+            > "$OUT/fp8sweep_last.log" 2>&1
+        rc=$?
+        cat "$OUT/fp8sweep_last.log" >> "$OUT/bench.log"
+        while IFS= read -r line; do summary+=("  $line"); done < <(grep -E " fp8-cuda " "$OUT/fp8sweep_last.log" |
+            grep -v "^ " | sort -u)
+        summary+=("  bench rc=$rc in $(( $(date +%s) - start )) s")
+        rm -f "$OUT/fp8sweep_last.log"
+    done
+fi
 
 # find_ncu: the Nsight Compute CLI: on PATH, in CUDA_HOME or beside nvcc, else the newest under
 # /usr/local/cuda*/ or /opt/nvidia/nsight-compute/; status 1 where there is none.
