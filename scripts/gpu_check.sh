@@ -41,6 +41,7 @@
 #     2,4) sharing the GPUs (host time per call, call + sync, every kernel of a call), at 4096 tokens, hidden
 #     7168, top-8 of 256 experts (OVERHEAD_TIMEOUT, default 150 s; OVERHEAD_ARGS: e.g. --iters 30);
 #     overheadab: the overhead benchmark on the tree of a base commit and on this one, in turn (see below);
+#     fp8ab: the same for the FP8 GEMM benchmark (FP8_BASE_TREE, FP8AB_ARGS; see below);
 #     examples: the DeepSeek-V3-style training on every GPU (its 2 ranks share the GPU on a one-GPU machine)
 #     and the accelerate fine-tuning on 2 GPUs
 #     (EXAMPLES_TIMEOUT each, output in examples.log, loss curve and metrics in files.tgz).
@@ -378,13 +379,18 @@ fi
 # is built in place (its modules OVERHEAD_BASE_MODULES, default the normal and low-latency ones; moe_ep._C
 # alone is quicker where the low-latency calls are left out), then both trees are timed in turn, twice
 # (OVERHEAD_AB_WORLDS, default 1; OVERHEAD_AB_ARGS, default OVERHEAD_ARGS).
+# build_base_tree TREE MODULES: the extension modules of a base commit's source tree, built in place.
+build_base_tree() {
+    local start
+    start=$(date +%s)
+    (cd "$1" && MOE_EP_BUILD_CUDA=1 MOE_EP_BUILD_MODULES=$2 MAX_JOBS=$(nproc) $PY setup.py build_ext --inplace \
+        >> "$OUT/build_base.log" 2>&1)
+    summary+=("base build ($2): rc=$? in $(( $(date +%s) - start )) s")
+}
+
 if has overheadab; then
     base=${OVERHEAD_BASE_TREE:?overheadab needs OVERHEAD_BASE_TREE}
-    start=$(date +%s)
-    base_modules=${OVERHEAD_BASE_MODULES:-moe_ep._C,moe_ep._low_latency,moe_ep._low_latency_p2p}
-    (cd "$base" && MOE_EP_BUILD_CUDA=1 MOE_EP_BUILD_MODULES=$base_modules \
-        MAX_JOBS=$(nproc) $PY setup.py build_ext --inplace > "$OUT/build_base.log" 2>&1)
-    summary+=("base build: rc=$? in $(( $(date +%s) - start )) s")
+    build_base_tree "$base" "${OVERHEAD_BASE_MODULES:-moe_ep._C,moe_ep._low_latency,moe_ep._low_latency_p2p}"
     for round in 1 2; do
         for tree in "$base" "$PWD"; do
             label=$([[ "$tree" == "$base" ]] && echo base || echo head)
@@ -394,6 +400,24 @@ if has overheadab; then
         done
     done
     sed -i '/^USDT:/d' "$OUT/bench.log"
+fi
+
+# fp8ab: the FP8 GEMM benchmark on the tree of a base commit and on this one, in turn, on the same card:
+# FP8_BASE_TREE (carried like OVERHEAD_BASE_TREE) gets its moe_ep._fp8 built in place; FP8AB_ARGS (default
+# our shapes, half-second samples) and FP8AB_TIMEOUT per run; each run's CUDA rows go to the summary.
+if has fp8ab; then
+    base=${FP8_BASE_TREE:?fp8ab needs FP8_BASE_TREE}
+    build_base_tree "$base" moe_ep._fp8
+    for tree in "$base" "$PWD"; do
+        label=$([[ "$tree" == "$base" ]] && echo base || echo head)
+        PYTHONPATH=$tree run_bench "FP8 GEMM $label" "${FP8AB_TIMEOUT:-150}" bench_fp8_grouped_gemm.py \
+            "fp8_grouped_gemm_$label.json" ${FP8AB_ARGS:---shapes ours --sample-seconds 0.5}
+        while IFS= read -r line; do summary+=("  $label: $line"); done < <(
+            $PY -c "import json, sys
+for r in json.load(open(sys.argv[1]))['kernels']:
+    if r['impl'] == 'fp8-cuda': print(f\"{r['shape']} {r['op']}: {r['time_us']:.0f} us, {r['tflops']:.0f} TF/s\")" \
+                "$FILES/fp8_grouped_gemm_$label.json" 2>/dev/null)
+    done
 fi
 
 if has probe; then
