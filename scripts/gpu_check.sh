@@ -2,9 +2,8 @@
 # One device call: build the extensions, run tests/gpu, run the benchmarks; logs and JSON under $OUT, a
 # short table printed last.
 #   bash scripts/gpu_check.sh [parts] [extra intranode-benchmark args...]
-#   parts: comma list of build,test,deepgemm,fbgemm,bench,ll,layer,internode,fp8gemm,fp8sweep,fp8ncu,probe,examples,
-#     decodediag,
-#     overhead
+#   parts: comma list of build,test,deepgemm,fbgemm,bench,ll,layer,internode,fp8gemm,fp8sweep,fp8ncu,probe,
+#     examples,decodediag,overhead,overheadab,fp8ab
 #     (default: build,test,bench,ll,layer,fp8gemm on a machine with EP GPUs or more; build,test,fp8gemm on
 #     smaller ones, whose multi-rank tests put several ranks on a GPU); internode: bench_internode.py
 #     --backend cuda with virtual nodes (INTERNODE_ARGS);
@@ -227,7 +226,10 @@ if has fp8sweep; then
     for variant in "${variants[@]}"; do
         variant=$(echo $variant)  # trimmed
         left=$(( CALL_BUDGET_S - ($(date +%s) - script_start) - 20 ))
-        if (( left < 60 )); then summary+=("fp8sweep [${variant:-default}]: not run: the call's time is spent"); continue; fi
+        if (( left < 60 )); then
+            summary+=("fp8sweep [${variant:-default}]: not run: the call's time is spent")
+            continue
+        fi
         echo "================ FP8 variant: ${variant:-default}" >> "$OUT/bench.log"
         start=$(date +%s)
         env $variant timeout -s INT -k 10 $(( left < 120 ? left / 2 : 90 )) $PY -m pytest -q -x -p no:cacheprovider \
@@ -373,12 +375,6 @@ if has overhead; then
         "$OUT/bench.log"
 fi
 
-# overheadab: the overhead benchmark on two trees in one call, so that host times compare on one machine
-# (they move by up to 2x between machines of one kind): OVERHEAD_BASE_TREE, a source tree of the base
-# commit carried with the call (e.g. `git archive BASE | tar -x -C build/ab_base`, then carry build/ab_base),
-# is built in place (its modules OVERHEAD_BASE_MODULES, default the normal and low-latency ones; moe_ep._C
-# alone is quicker where the low-latency calls are left out), then both trees are timed in turn, twice
-# (OVERHEAD_AB_WORLDS, default 1; OVERHEAD_AB_ARGS, default OVERHEAD_ARGS).
 # build_base_tree TREE MODULES: the extension modules of a base commit's source tree, built in place.
 build_base_tree() {
     local start
@@ -388,6 +384,12 @@ build_base_tree() {
     summary+=("base build ($2): rc=$? in $(( $(date +%s) - start )) s")
 }
 
+# overheadab: the overhead benchmark on two trees in one call, so that host times compare on one machine
+# (they move by up to 2x between machines of one kind): OVERHEAD_BASE_TREE, a source tree of the base
+# commit carried with the call (e.g. `git archive BASE | tar -x -C build/ab_base`, then carry build/ab_base),
+# is built in place (its modules OVERHEAD_BASE_MODULES, default the normal and low-latency ones; moe_ep._C
+# alone is quicker where the low-latency calls are left out), then both trees are timed in turn, twice
+# (OVERHEAD_AB_WORLDS, default 1; OVERHEAD_AB_ARGS, default OVERHEAD_ARGS).
 if has overheadab; then
     base=${OVERHEAD_BASE_TREE:?overheadab needs OVERHEAD_BASE_TREE}
     build_base_tree "$base" "${OVERHEAD_BASE_MODULES:-moe_ep._C,moe_ep._low_latency,moe_ep._low_latency_p2p}"

@@ -5,7 +5,7 @@
 # by default the snapshots the `fetch` tool brings (github:deepseek-ai/DeepGEMM, github:NVIDIA/cutlass,
 # github:fmtlib/fmt under /work/.mirror). DeepGEMM's setup.py also imports `wheel` and `packaging`, which a
 # device machine may lack and cannot download: their wheels (pure Python) go to shared/peer_wheels. Not
-# part of the project: shared/ is ignored by git and travels with every device call (about 3 MB in all).
+# part of the project: shared/ is ignored by git and travels with every device call (these files: about 3 MB).
 #   bash scripts/pack_deepgemm.sh [DEEPGEMM_GIT [CUTLASS_GIT [FMT_GIT]]]
 set -euo pipefail
 cd "$(dirname "$0")/.."

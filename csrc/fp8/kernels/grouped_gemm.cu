@@ -41,8 +41,9 @@ namespace {
 constexpr int kTile = kFp8Block;
 constexpr int kMathWarpgroups = 2;
 constexpr int kThreads = 128 * (kMathWarpgroups + 1);
-// Shared memory of the stages and the output staging together: 4 stages of 128 + 256 rows of 128 bytes,
-// or 3 beside the 64 KB staging of a 128 x 256 BF16 tile (within the 227 KB a block may have).
+// Shared memory of the stages and the output staging together (within the 227 KB a block may have): 3
+// stages of 128 + 256 rows of 128 bytes beside the 64 KB staging of a 128 x 256 BF16 tile, 5 stages of
+// 128 + 128 rows beside the 32 KB of a 128 x 128 tile.
 constexpr int kSmemBudget = 208 * 1024;
 constexpr int kSwizzleBytes = 1024;      // 128-byte swizzle repeats every 8 rows of 128 bytes
 constexpr int kStoreBoxColumns = 64;     // BF16 columns of one TMA store box: one 128-byte swizzled row
